@@ -1,0 +1,559 @@
+//! The command line: parses flags into typed commands (clap) and drives the
+//! [`Store`]. Every command prints machine-readable output with `--json`
+//! (the SEMANTICS §9 shapes) and a readable table otherwise; errors are
+//! returned as [`CliError`] and mapped to exit codes by `main`.
+
+use std::collections::HashMap;
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+use tracing::info;
+use uuid::Uuid;
+
+use crate::error::{Error, Rule, ValidationError};
+use crate::event::{parse_line, EventBody, LineKind, NewEvent, ParsedLine};
+use crate::projector::{Activations, Context};
+use crate::store::{Store, StoreOptions};
+use crate::validate::DEFAULT_MAX_EVENT_BYTES;
+
+/// Lines of one session that `import` appends as one batch.
+const IMPORT_BATCH: usize = 500;
+
+/// How often `import` re-reads a session's head after a conflict with a
+/// concurrent writer before it gives up.
+const IMPORT_CONFLICT_RETRIES: usize = 5;
+
+/// Event-sourced session store for AI agent sidecars.
+#[derive(Debug, Parser)]
+#[command(name = "session-store", version, about)]
+pub struct Cli {
+    /// Database: a SQLite file path (or sqlite://PATH) or postgres://…
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "session-store.db",
+        global = true
+    )]
+    pub database: String,
+
+    /// Largest accepted event, in bytes of JSON text.
+    #[arg(long, default_value_t = DEFAULT_MAX_EVENT_BYTES, global = true)]
+    pub max_event_bytes: usize,
+
+    /// The command to run.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Create or upgrade the schema (also done on every open).
+    Migrate,
+    /// Append JSON lines (each with session_id), each at its session's head.
+    Import {
+        /// The JSON-lines file; standard input without it.
+        file: Option<PathBuf>,
+    },
+    /// Append one atomic batch of JSON lines to SESSION.
+    Append {
+        /// The session's UUID.
+        session: String,
+        /// The seq the writer last saw (0 for a new session).
+        #[arg(long)]
+        expected_seq: i64,
+        /// The JSON-lines file; standard input without it.
+        file: Option<PathBuf>,
+    },
+    /// Print the effective context (SEMANTICS §5).
+    Context {
+        /// The session's UUID.
+        session: String,
+        /// Answer as of this seq instead of the latest.
+        #[arg(long)]
+        at_seq: Option<i64>,
+        /// Print the §9 JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print the deferred activation set (SEMANTICS §7).
+    Activations {
+        /// The session's UUID.
+        session: String,
+        /// Answer as of this seq instead of the latest.
+        #[arg(long)]
+        at_seq: Option<i64>,
+        /// Print the §9 JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print a session's events in seq order.
+    History {
+        /// The session's UUID.
+        session: String,
+        /// Start after this seq.
+        #[arg(long, default_value_t = 0)]
+        after_seq: i64,
+        /// Print at most this many events.
+        #[arg(long)]
+        limit: Option<i64>,
+        /// Print JSON lines, one stored event each.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// A failed command.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// A store error.
+    #[error("{0}")]
+    Store(#[from] Error),
+    /// Bad input found at a line of the input.
+    #[error("line {line}: {error}")]
+    Line {
+        /// 1-based line number in the input.
+        line: usize,
+        /// What is wrong.
+        error: ValidationError,
+    },
+    /// Bad input outside any line (a bad argument).
+    #[error("{0}")]
+    Input(String),
+    /// The input could not be read.
+    #[error("{0}")]
+    Io(String),
+}
+
+impl CliError {
+    /// The exit code of SEMANTICS §9.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            CliError::Store(Error::Conflict { .. }) => 3,
+            CliError::Store(Error::Unavailable(_) | Error::Database(_) | Error::Corrupt(_)) => 4,
+            CliError::Store(Error::BadUrl(_)) => 2,
+            _ => 1,
+        }
+    }
+}
+
+fn parse_session(s: &str) -> Result<Uuid, CliError> {
+    Uuid::parse_str(s).map_err(|_| CliError::Input(format!("{s:?} is not a session UUID")))
+}
+
+/// Runs one parsed command line, writing results to `out`.
+pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
+    let options = StoreOptions {
+        max_event_bytes: cli.max_event_bytes,
+        ..StoreOptions::default()
+    };
+    let store = Store::open_with(&cli.database, options).await?;
+    let result = run_on(&store, cli.command, cli.max_event_bytes, out).await;
+    store.close().await;
+    result
+}
+
+async fn run_on(
+    store: &Store,
+    command: Command,
+    max_bytes: usize,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
+    match command {
+        Command::Migrate => {
+            writeln!(out, "migrations applied").map_err(io)?;
+        }
+        Command::Import { file } => {
+            let lines = read_lines(file.as_ref())?;
+            let summary = import(store, &lines, max_bytes).await?;
+            writeln!(
+                out,
+                "imported {} events into {} sessions ({} already stored)",
+                summary.written, summary.sessions, summary.replayed
+            )
+            .map_err(io)?;
+        }
+        Command::Append {
+            session,
+            expected_seq,
+            file,
+        } => {
+            let session = parse_session(&session)?;
+            let lines = read_lines(file.as_ref())?;
+            let mut events = Vec::new();
+            let mut line_numbers = Vec::new();
+            for (n, text) in &lines {
+                let parsed = parse_line(text, LineKind::Append, max_bytes)
+                    .map_err(|e| CliError::Line { line: *n, error: e })?;
+                if let Some(s) = parsed.session_id.filter(|s| *s != session) {
+                    return Err(CliError::Line {
+                        line: *n,
+                        error: ValidationError::new(
+                            Rule::MistypedField,
+                            Some("session_id"),
+                            format!("`session_id` {s} is not the session appended to ({session})"),
+                        ),
+                    });
+                }
+                events.push(parsed.event);
+                line_numbers.push(*n);
+            }
+            let outcome = store
+                .append(session, expected_seq, events)
+                .await
+                .map_err(|e| at_line(e, &line_numbers))?;
+            for a in &outcome.events {
+                writeln!(out, "{}", serde_json::to_string(a).unwrap_or_default()).map_err(io)?;
+            }
+        }
+        Command::Context {
+            session,
+            at_seq,
+            json,
+        } => {
+            let ctx = store.context(parse_session(&session)?, at_seq).await?;
+            if json {
+                writeln!(out, "{}", serde_json::to_string(&ctx).unwrap_or_default()).map_err(io)?;
+            } else {
+                print_context(&ctx, out).map_err(io)?;
+            }
+        }
+        Command::Activations {
+            session,
+            at_seq,
+            json,
+        } => {
+            let act = store.activations(parse_session(&session)?, at_seq).await?;
+            if json {
+                writeln!(out, "{}", serde_json::to_string(&act).unwrap_or_default()).map_err(io)?;
+            } else {
+                print_activations(&act, out).map_err(io)?;
+            }
+        }
+        Command::History {
+            session,
+            after_seq,
+            limit,
+            json,
+        } => {
+            let session = parse_session(&session)?;
+            if store.head_seq(session).await? == 0 {
+                return Err(Error::SessionNotFound(session).into());
+            }
+            let mut after = after_seq;
+            let mut left = limit.unwrap_or(i64::MAX).max(0);
+            if !json {
+                writeln!(
+                    out,
+                    "{:>6}  {:<20}  {:<36}  DETAIL",
+                    "SEQ", "TYPE", "EVENT ID"
+                )
+                .map_err(io)?;
+            }
+            while left > 0 {
+                let page = store.history(session, after, left.min(1_000)).await?;
+                let Some(last) = page.last() else { break };
+                after = last.seq;
+                left -= page.len() as i64;
+                for e in &page {
+                    if json {
+                        writeln!(out, "{}", serde_json::to_string(e).unwrap_or_default())
+                            .map_err(io)?;
+                    } else {
+                        writeln!(
+                            out,
+                            "{:>6}  {:<20}  {:<36}  {}",
+                            e.seq,
+                            e.body.type_name(),
+                            e.event_id,
+                            detail(&e.body)
+                        )
+                        .map_err(io)?;
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn io(e: std::io::Error) -> CliError {
+    CliError::Io(format!("cannot write the output: {e}"))
+}
+
+/// Reads non-blank lines with their 1-based line numbers.
+fn read_lines(file: Option<&PathBuf>) -> Result<Vec<(usize, String)>, CliError> {
+    let reader: Box<dyn BufRead> = match file {
+        Some(path) => Box::new(std::io::BufReader::new(
+            std::fs::File::open(path)
+                .map_err(|e| CliError::Io(format!("cannot read {}: {e}", path.display())))?,
+        )),
+        None => Box::new(std::io::BufReader::new(std::io::stdin())),
+    };
+    let mut lines = Vec::new();
+    for (i, line) in reader.lines().enumerate() {
+        let line = line
+            .map_err(|e| CliError::Io(format!("cannot read line {} of the input: {e}", i + 1)))?;
+        if !line.trim().is_empty() {
+            lines.push((i + 1, line));
+        }
+    }
+    Ok(lines)
+}
+
+/// Turns a batch-indexed validation error into one that names the line.
+fn at_line(e: Error, line_numbers: &[usize]) -> CliError {
+    match e {
+        Error::Invalid(mut v) => match v.index.take() {
+            Some(i) if i < line_numbers.len() => CliError::Line {
+                line: line_numbers[i],
+                error: v,
+            },
+            _ => Error::Invalid(v).into(),
+        },
+        other => other.into(),
+    }
+}
+
+/// What an import stored.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct ImportSummary {
+    /// Events written.
+    pub written: usize,
+    /// Lines that were already stored (idempotent retries).
+    pub replayed: usize,
+    /// Distinct sessions touched.
+    pub sessions: usize,
+}
+
+/// Imports JSON lines (SEMANTICS §9): each event at its session's current
+/// seq, consecutive lines of one session batched; a bad line stops the
+/// import with the lines before it stored and nothing of it.
+pub async fn import(
+    store: &Store,
+    lines: &[(usize, String)],
+    max_bytes: usize,
+) -> Result<ImportSummary, CliError> {
+    let mut summary = ImportSummary::default();
+    let mut heads: HashMap<Uuid, i64> = HashMap::new();
+    let mut batch: Vec<(usize, NewEvent)> = Vec::new();
+    let mut batch_session = None;
+    for (n, text) in lines {
+        let parsed = parse_line(text, LineKind::Import, max_bytes);
+        let ParsedLine { session_id, event } = match parsed {
+            Ok(p) => p,
+            Err(error) => {
+                if let Some(s) = batch_session.take() {
+                    flush(
+                        store,
+                        s,
+                        std::mem::take(&mut batch),
+                        &mut heads,
+                        &mut summary,
+                    )
+                    .await?;
+                }
+                return Err(CliError::Line { line: *n, error });
+            }
+        };
+        let session = session_id.unwrap_or_default();
+        if batch_session != Some(session) || batch.len() >= IMPORT_BATCH {
+            if let Some(s) = batch_session {
+                flush(
+                    store,
+                    s,
+                    std::mem::take(&mut batch),
+                    &mut heads,
+                    &mut summary,
+                )
+                .await?;
+            }
+            batch_session = Some(session);
+        }
+        batch.push((*n, event));
+    }
+    if let Some(s) = batch_session {
+        flush(store, s, batch, &mut heads, &mut summary).await?;
+    }
+    summary.sessions = heads.len();
+    info!(
+        written = summary.written,
+        replayed = summary.replayed,
+        "import done"
+    );
+    Ok(summary)
+}
+
+/// Appends one session's run of lines. On a validation error the valid
+/// prefix is appended and the bad line reported; a batch that is partly
+/// stored already (an import re-run after a stop) goes line by line.
+async fn flush(
+    store: &Store,
+    session: Uuid,
+    batch: Vec<(usize, NewEvent)>,
+    heads: &mut HashMap<Uuid, i64>,
+    summary: &mut ImportSummary,
+) -> Result<(), CliError> {
+    if batch.is_empty() {
+        return Ok(());
+    }
+    match append_at_head(store, session, &batch, heads, summary).await {
+        Ok(()) => Ok(()),
+        Err(Error::Invalid(v)) if v.rule == Rule::PartlyStoredBatch => {
+            for one in batch.chunks(1) {
+                append_at_head(store, session, one, heads, summary)
+                    .await
+                    .map_err(|e| at_line(e, &[one[0].0]))?;
+            }
+            Ok(())
+        }
+        Err(Error::Invalid(v)) => {
+            let bad = v.index.unwrap_or(0).min(batch.len() - 1);
+            if bad > 0 {
+                Box::pin(flush(store, session, batch[..bad].to_vec(), heads, summary)).await?;
+            }
+            let lines: Vec<usize> = batch.iter().map(|(n, _)| *n).collect();
+            let mut v = v;
+            v.index = v.index.map(|_| bad);
+            Err(at_line(Error::Invalid(v), &lines))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+async fn append_at_head(
+    store: &Store,
+    session: Uuid,
+    batch: &[(usize, NewEvent)],
+    heads: &mut HashMap<Uuid, i64>,
+    summary: &mut ImportSummary,
+) -> Result<(), Error> {
+    let events: Vec<NewEvent> = batch.iter().map(|(_, e)| e.clone()).collect();
+    let mut tries = 0;
+    loop {
+        let head = match heads.get(&session) {
+            Some(h) => *h,
+            None => store.head_seq(session).await?,
+        };
+        match store.append(session, head, events.clone()).await {
+            Ok(outcome) => {
+                if outcome.replayed {
+                    summary.replayed += outcome.events.len();
+                    heads.remove(&session);
+                    heads.insert(session, store.head_seq(session).await?);
+                } else {
+                    summary.written += outcome.events.len();
+                    heads.insert(
+                        session,
+                        outcome.events.last().map(|a| a.seq).unwrap_or(head),
+                    );
+                }
+                return Ok(());
+            }
+            Err(Error::Conflict { current, .. }) if tries < IMPORT_CONFLICT_RETRIES => {
+                tries += 1;
+                heads.insert(session, current);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+fn clip(s: &str, n: usize) -> String {
+    let one_line = s.replace('\n', " ");
+    if one_line.chars().count() > n {
+        format!("{}…", one_line.chars().take(n).collect::<String>())
+    } else {
+        one_line
+    }
+}
+
+/// One readable line about an event.
+fn detail(body: &EventBody) -> String {
+    match body {
+        EventBody::SessionStarted { mode, .. } => format!("mode {mode}"),
+        EventBody::CatalogDefined {
+            mode,
+            deferred_tools,
+        } => format!("mode {mode}: [{}]", deferred_tools.join(", ")),
+        EventBody::PromptSubmitted { text } | EventBody::AssistantMessage { text } => {
+            clip(text, 60)
+        }
+        EventBody::ToolCall {
+            call_id, tool_name, ..
+        } => format!("{tool_name} (call {call_id})"),
+        EventBody::ToolResult {
+            call_id,
+            tool_name,
+            status,
+            added_tool_names,
+            ..
+        } => {
+            let status = serde_json::to_value(status)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_owned))
+                .unwrap_or_default();
+            match added_tool_names.as_deref() {
+                Some(added) if !added.is_empty() => {
+                    format!(
+                        "{tool_name} (call {call_id}) {status}, added [{}]",
+                        added.join(", ")
+                    )
+                }
+                _ => format!("{tool_name} (call {call_id}) {status}"),
+            }
+        }
+        EventBody::Compaction { summary, .. } => format!("summary: {}", clip(summary, 50)),
+        EventBody::ModeSwitched { mode } => format!("to {mode}"),
+    }
+}
+
+fn print_context(ctx: &Context, out: &mut dyn Write) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "session {} as of seq {}, mode {}",
+        ctx.session_id, ctx.as_of_seq, ctx.mode
+    )?;
+    match &ctx.summary {
+        Some(s) => writeln!(out, "summary: {}", clip(s, 70))?,
+        None => writeln!(out, "summary: (none)")?,
+    }
+    writeln!(out, "{:>6}  {:<18}  DETAIL", "SEQ", "TYPE")?;
+    for row in &ctx.rows {
+        writeln!(
+            out,
+            "{:>6}  {:<18}  {}",
+            row.seq,
+            row.body.type_name(),
+            detail(&row.body)
+        )?;
+    }
+    if ctx.rows.is_empty() {
+        writeln!(out, "(no transcript rows)")?;
+    }
+    Ok(())
+}
+
+fn print_activations(act: &Activations, out: &mut dyn Write) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "session {} as of seq {}, mode {}",
+        act.session_id, act.as_of_seq, act.mode
+    )?;
+    if act.tools.is_empty() {
+        return writeln!(out, "(no deferred tool is active)");
+    }
+    let width = act
+        .tools
+        .iter()
+        .map(|t| t.name.len())
+        .max()
+        .unwrap_or(4)
+        .max(4);
+    writeln!(out, "{:<width$}  EVIDENCE SEQ", "TOOL")?;
+    for t in &act.tools {
+        writeln!(out, "{:<width$}  {}", t.name, t.evidence_seq)?;
+    }
+    Ok(())
+}

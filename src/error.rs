@@ -1,0 +1,221 @@
+//! Typed errors of the library.
+//!
+//! A [`ValidationError`] names the SEMANTICS §4 rule it enforces (a stable
+//! kebab-case code), the field at fault and, inside a batch, the event's
+//! index; the CLI adds the line number. [`Error`] is what every store call
+//! returns; the binary maps its variants to exit codes.
+
+use std::fmt;
+
+use uuid::Uuid;
+
+/// The validation rules of SEMANTICS §3–§4, each with a stable code.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rule {
+    /// The text is not JSON, or not a JSON object.
+    MalformedJson,
+    /// `type` names no known event type.
+    UnknownType,
+    /// A required field is absent.
+    MissingField,
+    /// A field has the wrong JSON type or value.
+    MistypedField,
+    /// A field that is not the type's.
+    UnknownField,
+    /// A UUID field that does not parse.
+    BadUuid,
+    /// The event's JSON text is over the configured limit.
+    TooLarge,
+    /// A tool name is empty, too long or holds control characters.
+    BadToolName,
+    /// A `mode` or `call_id` is empty.
+    EmptyField,
+    /// An event before `session_started`.
+    NotStarted,
+    /// A second `session_started`.
+    AlreadyStarted,
+    /// A `tool_call` reusing a `call_id`.
+    DuplicateCallId,
+    /// A `tool_result` with no earlier `tool_call`.
+    ResultWithoutCall,
+    /// A second `tool_result` for one call.
+    DuplicateResult,
+    /// A `tool_result` whose `tool_name` differs from its call's.
+    ResultToolMismatch,
+    /// Non-empty `added_tool_names` on a result that did not succeed.
+    AddedNamesWithoutSuccess,
+    /// `first_kept_event_id` is not an effective transcript row.
+    CompactionKeepsNonEffectiveRow,
+    /// The compaction would keep a result whose call it summarizes.
+    CompactionSplitsCall,
+    /// An `event_id` twice in one batch.
+    DuplicateEventIdInBatch,
+    /// An `event_id` already stored with other content.
+    EventIdReused,
+    /// A batch of which only some events are already stored.
+    PartlyStoredBatch,
+}
+
+impl Rule {
+    /// The stable code printed in messages.
+    pub fn code(self) -> &'static str {
+        match self {
+            Rule::MalformedJson => "malformed-json",
+            Rule::UnknownType => "unknown-type",
+            Rule::MissingField => "missing-field",
+            Rule::MistypedField => "mistyped-field",
+            Rule::UnknownField => "unknown-field",
+            Rule::BadUuid => "bad-uuid",
+            Rule::TooLarge => "event-too-large",
+            Rule::BadToolName => "bad-tool-name",
+            Rule::EmptyField => "empty-field",
+            Rule::NotStarted => "event-before-session-started",
+            Rule::AlreadyStarted => "second-session-started",
+            Rule::DuplicateCallId => "duplicate-call-id",
+            Rule::ResultWithoutCall => "result-without-call",
+            Rule::DuplicateResult => "second-result-for-call",
+            Rule::ResultToolMismatch => "result-tool-name-mismatch",
+            Rule::AddedNamesWithoutSuccess => "added-tool-names-without-success",
+            Rule::CompactionKeepsNonEffectiveRow => "compaction-keeps-non-effective-row",
+            Rule::CompactionSplitsCall => "compaction-splits-call-from-result",
+            Rule::DuplicateEventIdInBatch => "duplicate-event-id-in-batch",
+            Rule::EventIdReused => "event-id-reused-with-other-content",
+            Rule::PartlyStoredBatch => "batch-partly-stored",
+        }
+    }
+}
+
+impl fmt::Display for Rule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.code())
+    }
+}
+
+/// An event that breaks a rule; nothing of its batch was written.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ValidationError {
+    /// The rule broken.
+    pub rule: Rule,
+    /// The field at fault, when one is.
+    pub field: Option<String>,
+    /// The index of the event in its batch (0-based), when in a batch.
+    pub index: Option<usize>,
+    /// One sentence saying what is wrong.
+    pub message: String,
+}
+
+impl ValidationError {
+    /// A new error for `rule`.
+    pub fn new(rule: Rule, field: Option<&str>, message: impl Into<String>) -> ValidationError {
+        ValidationError {
+            rule,
+            field: field.map(str::to_owned),
+            index: None,
+            message: message.into(),
+        }
+    }
+
+    /// Sets the field name when one is known.
+    pub fn with_field_name(mut self, field: Option<String>) -> ValidationError {
+        if field.is_some() {
+            self.field = field;
+        }
+        self
+    }
+
+    /// Sets the batch index.
+    pub fn at_index(mut self, index: usize) -> ValidationError {
+        self.index = Some(index);
+        self
+    }
+}
+
+impl fmt::Display for ValidationError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(i) = self.index {
+            write!(f, "event {} of the batch: ", i + 1)?;
+        }
+        write!(f, "{} (rule {}", self.message, self.rule)?;
+        if let Some(field) = &self.field {
+            write!(f, ", field `{field}`")?;
+        }
+        f.write_str(")")
+    }
+}
+
+impl std::error::Error for ValidationError {}
+
+/// Every error a store call can return.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Input that breaks the contract; nothing was written.
+    #[error("{0}")]
+    Invalid(#[from] ValidationError),
+    /// The expected seq is not the session's current seq; nothing was written.
+    #[error("conflict on session {session_id}: expected seq {expected}, but the session is at seq {current}")]
+    Conflict {
+        /// The session.
+        session_id: Uuid,
+        /// What the writer expected.
+        expected: i64,
+        /// The session's current seq; retry from here.
+        current: i64,
+    },
+    /// The session has no events.
+    #[error("session {0} not found")]
+    SessionNotFound(Uuid),
+    /// `--at-seq` outside 1..=latest.
+    #[error("seq {seq} is out of range for session {session_id}, whose events are 1 to {latest}")]
+    SeqOutOfRange {
+        /// The session.
+        session_id: Uuid,
+        /// The seq asked for.
+        seq: i64,
+        /// The session's latest seq.
+        latest: i64,
+    },
+    /// The database URL is not one the store understands.
+    #[error("unsupported database URL {0:?}: use a file path, sqlite://PATH or postgres://…")]
+    BadUrl(String),
+    /// The database could not be reached or answered with an I/O failure.
+    #[error("storage unavailable: {0}")]
+    Unavailable(String),
+    /// Any other database failure.
+    #[error("database error: {0}")]
+    Database(String),
+    /// The stored log holds something the store cannot read back.
+    #[error("corrupt log: {0}")]
+    Corrupt(String),
+}
+
+impl Error {
+    /// Classifies a driver error: connection-level failures are
+    /// [`Error::Unavailable`] (retryable), the rest [`Error::Database`].
+    pub fn from_sqlx(e: sqlx::Error) -> Error {
+        match &e {
+            sqlx::Error::Io(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::WorkerCrashed => Error::Unavailable(e.to_string()),
+            sqlx::Error::Database(db) => {
+                let code = db.code().map(|c| c.to_string()).unwrap_or_default();
+                // PostgreSQL classes 08 (connection), 53 (resources), 57P
+                // (shutdown); SQLite BUSY(5)/LOCKED(6)/CANTOPEN(14)/IOERR(10).
+                if code.starts_with("08")
+                    || code.starts_with("53")
+                    || code.starts_with("57P")
+                    || ["5", "6", "10", "14", "517", "261"].contains(&code.as_str())
+                {
+                    Error::Unavailable(db.message().to_string())
+                } else {
+                    Error::Database(db.message().to_string())
+                }
+            }
+            _ => Error::Database(e.to_string()),
+        }
+    }
+}
+
+/// Shorthand for store results.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,550 @@
+//! The event enum and its envelope.
+//!
+//! Events are parsed once, at the boundary ([`parse_event_object`]), from a
+//! JSON object into the typed [`EventBody`]; the rest of the crate never sees
+//! raw JSON where a type would do. Deserialization is done by hand (read
+//! `type`, then deserialize that type's payload struct with
+//! `deny_unknown_fields`) rather than through serde's internally tagged
+//! enums, because those buffer numbers and would lose the exact JSON numbers
+//! that SEMANTICS §3 says must round-trip.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::{Map, Value};
+use uuid::Uuid;
+
+use crate::error::{Rule, ValidationError};
+
+/// The outcome of a tool call, as the runtime recorded it (SEMANTICS §3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolStatus {
+    /// The call succeeded; only such results give evidence (§7).
+    Success,
+    /// The call failed.
+    Error,
+    /// The call was cut off.
+    Interrupted,
+    /// The row a runtime writes when a call got no result.
+    Placeholder,
+}
+
+/// One event's type and payload: the eight types of SEMANTICS §3.
+///
+/// Optional fields that were absent (or `null`, which means the same) are
+/// `None` and are left out when the event is serialized again. `output` is the
+/// exception: `Some(Value::Null)` records an explicit `null`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum EventBody {
+    /// Opens the stream; must be seq 1.
+    SessionStarted {
+        /// The mode the session starts in.
+        mode: String,
+        /// Free-form metadata of the runtime.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        metadata: Option<Map<String, Value>>,
+    },
+    /// Replaces one mode's deferred catalog from this seq on.
+    CatalogDefined {
+        /// The mode whose catalog this is.
+        mode: String,
+        /// The deferred tools of that mode.
+        deferred_tools: Vec<String>,
+    },
+    /// A user prompt: a transcript row and a refresh point.
+    PromptSubmitted {
+        /// The prompt text.
+        text: String,
+    },
+    /// A model reply: a transcript row.
+    AssistantMessage {
+        /// The reply text.
+        text: String,
+    },
+    /// A tool call: a transcript row.
+    ToolCall {
+        /// Unique within the session.
+        call_id: String,
+        /// The called tool.
+        tool_name: String,
+        /// The call's input; required, may be `null`.
+        input: Value,
+    },
+    /// A tool result: a transcript row; successful ones give evidence.
+    ToolResult {
+        /// The call this answers.
+        call_id: String,
+        /// Must equal the call's `tool_name`.
+        tool_name: String,
+        /// How the call ended.
+        status: ToolStatus,
+        /// The output; `Some(Null)` is an explicit `null`.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        output: Option<Value>,
+        /// Names a search added; only allowed non-empty on success.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        added_tool_names: Option<Vec<String>>,
+    },
+    /// Replaces older rows by a summary.
+    Compaction {
+        /// What the summarized rows said.
+        summary: String,
+        /// The first row kept; `None` keeps no earlier row.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        first_kept_event_id: Option<Uuid>,
+        /// Size of the context before compaction, for the record.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        tokens_before: Option<i64>,
+    },
+    /// Switches the current mode; a refresh point.
+    ModeSwitched {
+        /// The new mode.
+        mode: String,
+    },
+}
+
+/// Every `type` name, in SEMANTICS §3 order; used in error messages.
+pub const EVENT_TYPES: [&str; 8] = [
+    "session_started",
+    "catalog_defined",
+    "prompt_submitted",
+    "assistant_message",
+    "tool_call",
+    "tool_result",
+    "compaction",
+    "mode_switched",
+];
+
+impl EventBody {
+    /// The `type` tag of this event.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            EventBody::SessionStarted { .. } => "session_started",
+            EventBody::CatalogDefined { .. } => "catalog_defined",
+            EventBody::PromptSubmitted { .. } => "prompt_submitted",
+            EventBody::AssistantMessage { .. } => "assistant_message",
+            EventBody::ToolCall { .. } => "tool_call",
+            EventBody::ToolResult { .. } => "tool_result",
+            EventBody::Compaction { .. } => "compaction",
+            EventBody::ModeSwitched { .. } => "mode_switched",
+        }
+    }
+
+    /// Transcript rows are the four types that appear in the effective context.
+    pub fn is_row(&self) -> bool {
+        matches!(
+            self,
+            EventBody::PromptSubmitted { .. }
+                | EventBody::AssistantMessage { .. }
+                | EventBody::ToolCall { .. }
+                | EventBody::ToolResult { .. }
+        )
+    }
+
+    /// Refresh points are where the materialized view is updated (§8).
+    pub fn is_refresh_point(&self) -> bool {
+        matches!(
+            self,
+            EventBody::PromptSubmitted { .. } | EventBody::ModeSwitched { .. }
+        )
+    }
+
+    /// The names this event is evidence for (§7): empty unless it is a
+    /// successful `tool_result`.
+    pub fn evidence(&self) -> Vec<&str> {
+        match self {
+            EventBody::ToolResult {
+                tool_name,
+                status: ToolStatus::Success,
+                added_tool_names,
+                ..
+            } => {
+                let mut names = vec![tool_name.as_str()];
+                if let Some(added) = added_tool_names {
+                    names.extend(added.iter().map(String::as_str));
+                }
+                names
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// The canonical JSON text stored in the log (with `type`).
+    pub fn to_json_text(&self) -> String {
+        // Serializing a value built from strings, maps and serde_json values
+        // cannot fail.
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// Reads back a body stored by [`EventBody::to_json_text`].
+    pub fn from_json_text(text: &str) -> Result<EventBody, ValidationError> {
+        let value: Value = serde_json::from_str(text).map_err(|e| {
+            ValidationError::new(Rule::MalformedJson, None, format!("malformed JSON: {e}"))
+        })?;
+        match value {
+            Value::Object(mut map) => map
+                .remove("type")
+                .ok_or_else(|| {
+                    ValidationError::new(Rule::MissingField, Some("type"), "missing field `type`")
+                })
+                .and_then(|t| parse_body(t, map)),
+            _ => Err(ValidationError::new(
+                Rule::MalformedJson,
+                None,
+                "an event must be a JSON object",
+            )),
+        }
+    }
+}
+
+/// A new event, as a writer hands it to the store.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NewEvent {
+    /// Supplied for idempotency; generated (UUIDv7) when `None`.
+    pub event_id: Option<Uuid>,
+    /// Kept as the event's time when given (import of an export).
+    pub recorded_at: Option<DateTime<Utc>>,
+    /// Type and payload.
+    pub body: EventBody,
+}
+
+impl NewEvent {
+    /// A new event without id or time.
+    pub fn new(body: EventBody) -> NewEvent {
+        NewEvent {
+            event_id: None,
+            recorded_at: None,
+            body,
+        }
+    }
+
+    /// The same event with a writer-chosen id.
+    pub fn with_id(mut self, id: Uuid) -> NewEvent {
+        self.event_id = Some(id);
+        self
+    }
+}
+
+/// A stored event: the envelope of SEMANTICS §2 and the body.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct StoredEvent {
+    /// The stream.
+    pub session_id: Uuid,
+    /// Dense per-session order, from 1.
+    pub seq: i64,
+    /// Unique across the store.
+    pub event_id: Uuid,
+    /// Global order across sessions.
+    pub position: i64,
+    /// Store time (or the imported time).
+    pub recorded_at: DateTime<Utc>,
+    /// Type and payload.
+    #[serde(flatten)]
+    pub body: EventBody,
+}
+
+/// Which envelope fields a JSON line may carry besides the payload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LineKind {
+    /// `import`: `session_id` required, `recorded_at` allowed.
+    Import,
+    /// `append`: `session_id` optional (must match), no `recorded_at`.
+    Append,
+}
+
+/// A parsed input line: the event and, for imports, its session.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParsedLine {
+    /// The session the line names, if it names one.
+    pub session_id: Option<Uuid>,
+    /// The event.
+    pub event: NewEvent,
+}
+
+/// Parses one JSON line into an event, checking the envelope fields allowed
+/// for `kind` and the size limit (`max_bytes` of JSON text).
+pub fn parse_line(
+    line: &str,
+    kind: LineKind,
+    max_bytes: usize,
+) -> Result<ParsedLine, ValidationError> {
+    if line.len() > max_bytes {
+        return Err(ValidationError::new(
+            Rule::TooLarge,
+            None,
+            format!(
+                "the event is {} bytes of JSON, over the limit of {max_bytes} bytes",
+                line.len()
+            ),
+        ));
+    }
+    let value: Value = serde_json::from_str(line).map_err(|e| {
+        ValidationError::new(Rule::MalformedJson, None, format!("malformed JSON: {e}"))
+    })?;
+    let Value::Object(map) = value else {
+        return Err(ValidationError::new(
+            Rule::MalformedJson,
+            None,
+            "an event must be a JSON object",
+        ));
+    };
+    parse_event_object(map, kind)
+}
+
+fn take_uuid(
+    map: &mut Map<String, Value>,
+    field: &'static str,
+) -> Result<Option<Uuid>, ValidationError> {
+    match map.remove(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Uuid::parse_str(&s).map(Some).map_err(|_| {
+            ValidationError::new(
+                Rule::BadUuid,
+                Some(field),
+                format!("`{field}` is not a UUID: {s:?}"),
+            )
+        }),
+        Some(other) => Err(ValidationError::new(
+            Rule::MistypedField,
+            Some(field),
+            format!("`{field}` must be a UUID string, found {}", kind_of(&other)),
+        )),
+    }
+}
+
+fn kind_of(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Parses an event from a JSON object (see [`parse_line`]).
+pub fn parse_event_object(
+    mut map: Map<String, Value>,
+    kind: LineKind,
+) -> Result<ParsedLine, ValidationError> {
+    for forbidden in ["seq", "position"] {
+        if map.contains_key(forbidden) {
+            return Err(ValidationError::new(
+                Rule::UnknownField,
+                Some(forbidden),
+                format!("`{forbidden}` is assigned by the store and must not be given"),
+            ));
+        }
+    }
+    let session_id = take_uuid(&mut map, "session_id")?;
+    if kind == LineKind::Import && session_id.is_none() {
+        return Err(ValidationError::new(
+            Rule::MissingField,
+            Some("session_id"),
+            "missing field `session_id`",
+        ));
+    }
+    let event_id = take_uuid(&mut map, "event_id")?;
+    let recorded_at = match map.remove("recorded_at") {
+        None | Some(Value::Null) => None,
+        Some(v) if kind == LineKind::Append => {
+            let _ = v;
+            return Err(ValidationError::new(
+                Rule::UnknownField,
+                Some("recorded_at"),
+                "`recorded_at` is only accepted by import",
+            ));
+        }
+        Some(Value::String(s)) => Some(
+            DateTime::parse_from_rfc3339(&s)
+                .map(|t| t.with_timezone(&Utc))
+                .map_err(|_| {
+                    ValidationError::new(
+                        Rule::MistypedField,
+                        Some("recorded_at"),
+                        format!("`recorded_at` is not an RFC 3339 time: {s:?}"),
+                    )
+                })?,
+        ),
+        Some(other) => {
+            return Err(ValidationError::new(
+                Rule::MistypedField,
+                Some("recorded_at"),
+                format!(
+                    "`recorded_at` must be an RFC 3339 string, found {}",
+                    kind_of(&other)
+                ),
+            ))
+        }
+    };
+    let type_value = map.remove("type").ok_or_else(|| {
+        ValidationError::new(Rule::MissingField, Some("type"), "missing field `type`")
+    })?;
+    let body = parse_body(type_value, map)?;
+    Ok(ParsedLine {
+        session_id,
+        event: NewEvent {
+            event_id,
+            recorded_at,
+            body,
+        },
+    })
+}
+
+fn some_value<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
+    Value::deserialize(d).map(Some)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SessionStartedP {
+    mode: String,
+    #[serde(default)]
+    metadata: Option<Map<String, Value>>,
+}
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CatalogDefinedP {
+    mode: String,
+    deferred_tools: Vec<String>,
+}
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TextP {
+    text: String,
+}
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ToolCallP {
+    call_id: String,
+    tool_name: String,
+    input: Value,
+}
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ToolResultP {
+    call_id: String,
+    tool_name: String,
+    status: ToolStatus,
+    #[serde(default, deserialize_with = "some_value")]
+    output: Option<Value>,
+    #[serde(default)]
+    added_tool_names: Option<Vec<String>>,
+}
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CompactionP {
+    summary: String,
+    #[serde(default)]
+    first_kept_event_id: Option<String>,
+    #[serde(default)]
+    tokens_before: Option<i64>,
+}
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ModeP {
+    mode: String,
+}
+
+fn payload<T: for<'de> Deserialize<'de>>(
+    type_name: &str,
+    map: Map<String, Value>,
+) -> Result<T, ValidationError> {
+    serde_json::from_value(Value::Object(map)).map_err(|e| {
+        let msg = e.to_string();
+        let rule = if msg.starts_with("unknown field") {
+            Rule::UnknownField
+        } else if msg.starts_with("missing field") {
+            Rule::MissingField
+        } else {
+            Rule::MistypedField
+        };
+        let field = msg.split('`').nth(1).map(str::to_owned);
+        ValidationError::new(rule, None, format!("invalid `{type_name}` event: {msg}"))
+            .with_field_name(field)
+    })
+}
+
+fn parse_body(type_value: Value, map: Map<String, Value>) -> Result<EventBody, ValidationError> {
+    let Value::String(type_name) = type_value else {
+        return Err(ValidationError::new(
+            Rule::MistypedField,
+            Some("type"),
+            format!("`type` must be a string, found {}", kind_of(&type_value)),
+        ));
+    };
+    let body = match type_name.as_str() {
+        "session_started" => {
+            let p: SessionStartedP = payload(&type_name, map)?;
+            EventBody::SessionStarted {
+                mode: p.mode,
+                metadata: p.metadata,
+            }
+        }
+        "catalog_defined" => {
+            let p: CatalogDefinedP = payload(&type_name, map)?;
+            EventBody::CatalogDefined {
+                mode: p.mode,
+                deferred_tools: p.deferred_tools,
+            }
+        }
+        "prompt_submitted" => EventBody::PromptSubmitted {
+            text: payload::<TextP>(&type_name, map)?.text,
+        },
+        "assistant_message" => EventBody::AssistantMessage {
+            text: payload::<TextP>(&type_name, map)?.text,
+        },
+        "tool_call" => {
+            let p: ToolCallP = payload(&type_name, map)?;
+            EventBody::ToolCall {
+                call_id: p.call_id,
+                tool_name: p.tool_name,
+                input: p.input,
+            }
+        }
+        "tool_result" => {
+            let p: ToolResultP = payload(&type_name, map)?;
+            EventBody::ToolResult {
+                call_id: p.call_id,
+                tool_name: p.tool_name,
+                status: p.status,
+                output: p.output,
+                added_tool_names: p.added_tool_names,
+            }
+        }
+        "compaction" => {
+            let p: CompactionP = payload(&type_name, map)?;
+            let first_kept_event_id = match p.first_kept_event_id {
+                None => None,
+                Some(s) => Some(Uuid::parse_str(&s).map_err(|_| {
+                    ValidationError::new(
+                        Rule::BadUuid,
+                        Some("first_kept_event_id"),
+                        format!("`first_kept_event_id` is not a UUID: {s:?}"),
+                    )
+                })?),
+            };
+            EventBody::Compaction {
+                summary: p.summary,
+                first_kept_event_id,
+                tokens_before: p.tokens_before,
+            }
+        }
+        "mode_switched" => EventBody::ModeSwitched {
+            mode: payload::<ModeP>(&type_name, map)?.mode,
+        },
+        other => {
+            return Err(ValidationError::new(
+                Rule::UnknownType,
+                Some("type"),
+                format!(
+                    "unknown event type {other:?}; expected one of {}",
+                    EVENT_TYPES.join(", ")
+                ),
+            ))
+        }
+    };
+    Ok(body)
+}

@@ -1,0 +1,26 @@
+//! session-store: an event-sourced session store for AI agent sidecars.
+//!
+//! Transcript rows, tool results, compactions and mode switches are appended
+//! to a per-session log ([`Store`], SQLite or PostgreSQL). A pure projector
+//! ([`SessionState`]) folds the log into the *effective context* (what the
+//! model sees after compaction) and the *deferred activation set* (which
+//! deferred tools the next request must carry). Because the activation set
+//! is a pure function of the durable log, a new prompt, a mode switch, a
+//! restart or another instance can never show the model evidence of a tool
+//! whose schema the next request leaves out.
+//!
+//! Layout: [`event`] (types, parsed once at the boundary), [`validate`] (the
+//! rules, pure), [`projector`] (the fold, pure), [`store`] (both backends,
+//! one API), [`cli`] (the binary's commands).
+
+pub mod cli;
+pub mod error;
+pub mod event;
+pub mod projector;
+pub mod store;
+pub mod validate;
+
+pub use error::{Error, Result, Rule, ValidationError};
+pub use event::{EventBody, NewEvent, StoredEvent, ToolStatus};
+pub use projector::{Activation, Activations, Context, ContextRow, SessionState};
+pub use store::{AppendOutcome, Appended, BackendKind, Store, StoreOptions};

@@ -1,0 +1,39 @@
+//! The `session-store` binary: parse arguments, set up tracing, run the
+//! command, map its error to an exit code (0 ok, 1 invalid input or not
+//! found, 2 usage, 3 conflict, 4 storage unavailable).
+
+use clap::Parser;
+use session_store::cli::{run, Cli};
+
+fn main() {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("session-store: cannot start the async runtime: {e}");
+            std::process::exit(4);
+        }
+    };
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let code = match runtime.block_on(run(cli, &mut out)) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("session-store: {e}");
+            e.exit_code()
+        }
+    };
+    drop(out);
+    std::process::exit(code);
+}

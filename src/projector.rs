@@ -1,0 +1,233 @@
+//! The pure fold: events in seq order -> session state, from which the
+//! effective context (SEMANTICS §5), the current mode and catalog (§6) and the
+//! deferred activation set (§7) are read.
+//!
+//! [`SessionState::apply`] never fails: it is only given events that
+//! [`crate::validate`] accepted (or that the log already holds). The same state
+//! is what validation judges the next event against, so the two can never
+//! disagree about what is effective.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use serde::Serialize;
+use uuid::Uuid;
+
+use crate::event::{EventBody, StoredEvent};
+
+/// What validation needs to know about one tool call.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct CallInfo {
+    pub(crate) tool_name: String,
+    pub(crate) seq: i64,
+    pub(crate) has_result: bool,
+}
+
+/// A session folded up to [`SessionState::seq`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct SessionState {
+    /// The session.
+    pub session_id: Uuid,
+    /// The last applied seq (0 before any event).
+    pub seq: i64,
+    /// Whether `session_started` was seen.
+    pub started: bool,
+    /// The current mode (§6).
+    pub mode: String,
+    /// Each mode's deferred catalog, with the seq of the `catalog_defined`
+    /// that set it.
+    pub catalogs: HashMap<String, (Vec<String>, i64)>,
+    /// The latest compaction's summary and seq, if any.
+    pub compaction: Option<(String, i64)>,
+    /// The effective transcript rows, in seq order (§5).
+    pub rows: Vec<StoredEvent>,
+    pub(crate) calls: HashMap<String, CallInfo>,
+}
+
+/// One name of the activation set (§7).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Activation {
+    /// The deferred tool.
+    pub name: String,
+    /// The largest seq of an effective row that gave evidence for it.
+    pub evidence_seq: i64,
+}
+
+/// The effective context at a seq, in the §9 JSON shape.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Context {
+    /// The session.
+    pub session_id: Uuid,
+    /// The seq this answer is as of.
+    pub as_of_seq: i64,
+    /// The current mode.
+    pub mode: String,
+    /// The latest compaction's summary, `null` without one.
+    pub summary: Option<String>,
+    /// The effective transcript rows.
+    pub rows: Vec<ContextRow>,
+}
+
+/// One row of [`Context`]: the stored event without the global envelope.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ContextRow {
+    /// The row's seq.
+    pub seq: i64,
+    /// The row's event id.
+    pub event_id: Uuid,
+    /// Type and payload.
+    #[serde(flatten)]
+    pub body: EventBody,
+}
+
+/// The activation set at a seq, in the §9 JSON shape.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Activations {
+    /// The session.
+    pub session_id: Uuid,
+    /// The seq this answer is as of.
+    pub as_of_seq: i64,
+    /// The current mode.
+    pub mode: String,
+    /// Sorted by name in byte order.
+    pub tools: Vec<Activation>,
+}
+
+impl SessionState {
+    /// The state of a session with no events.
+    pub fn empty(session_id: Uuid) -> SessionState {
+        SessionState {
+            session_id,
+            seq: 0,
+            started: false,
+            mode: String::new(),
+            catalogs: HashMap::new(),
+            compaction: None,
+            rows: Vec::new(),
+            calls: HashMap::new(),
+        }
+    }
+
+    /// Folds `events` (seq 1, 2, … of one session) into a state.
+    pub fn fold<'a>(session_id: Uuid, events: impl IntoIterator<Item = &'a StoredEvent>) -> Self {
+        let mut state = SessionState::empty(session_id);
+        for e in events {
+            state.apply(e);
+        }
+        state
+    }
+
+    /// Applies one accepted event.
+    pub fn apply(&mut self, event: &StoredEvent) {
+        self.seq = event.seq;
+        match &event.body {
+            EventBody::SessionStarted { mode, .. } => {
+                self.started = true;
+                self.mode = mode.clone();
+            }
+            EventBody::ModeSwitched { mode } => self.mode = mode.clone(),
+            EventBody::CatalogDefined {
+                mode,
+                deferred_tools,
+            } => {
+                self.catalogs
+                    .insert(mode.clone(), (deferred_tools.clone(), event.seq));
+            }
+            EventBody::Compaction {
+                summary,
+                first_kept_event_id,
+                ..
+            } => {
+                let keep_from = first_kept_event_id
+                    .and_then(|id| self.rows.iter().position(|r| r.event_id == id))
+                    .unwrap_or(self.rows.len());
+                self.rows.drain(..keep_from);
+                self.compaction = Some((summary.clone(), event.seq));
+            }
+            EventBody::ToolCall {
+                call_id, tool_name, ..
+            } => {
+                self.calls.insert(
+                    call_id.clone(),
+                    CallInfo {
+                        tool_name: tool_name.clone(),
+                        seq: event.seq,
+                        has_result: false,
+                    },
+                );
+                self.rows.push(event.clone());
+            }
+            EventBody::ToolResult { call_id, .. } => {
+                if let Some(call) = self.calls.get_mut(call_id) {
+                    call.has_result = true;
+                }
+                self.rows.push(event.clone());
+            }
+            EventBody::PromptSubmitted { .. } | EventBody::AssistantMessage { .. } => {
+                self.rows.push(event.clone());
+            }
+        }
+    }
+
+    /// The current mode's deferred catalog (§6), empty when it has none.
+    pub fn current_catalog(&self) -> &[String] {
+        self.catalogs
+            .get(&self.mode)
+            .map(|(tools, _)| tools.as_slice())
+            .unwrap_or(&[])
+    }
+
+    /// Every name with evidence in the effective context and its evidence
+    /// seq, whether or not the catalog admits it.
+    pub fn evidence(&self) -> BTreeMap<&str, i64> {
+        let mut evidence = BTreeMap::new();
+        for row in &self.rows {
+            for name in row.body.evidence() {
+                // Rows are in seq order, so the last insert is the largest.
+                evidence.insert(name, row.seq);
+            }
+        }
+        evidence
+    }
+
+    /// The deferred activation set (§7), sorted by name in byte order.
+    pub fn activation_set(&self) -> Vec<Activation> {
+        let catalog: HashSet<&str> = self.current_catalog().iter().map(String::as_str).collect();
+        self.evidence()
+            .into_iter()
+            .filter(|(name, _)| catalog.contains(name))
+            .map(|(name, evidence_seq)| Activation {
+                name: name.to_owned(),
+                evidence_seq,
+            })
+            .collect()
+    }
+
+    /// The effective context (§5) in the §9 shape.
+    pub fn context(&self) -> Context {
+        Context {
+            session_id: self.session_id,
+            as_of_seq: self.seq,
+            mode: self.mode.clone(),
+            summary: self.compaction.as_ref().map(|(s, _)| s.clone()),
+            rows: self
+                .rows
+                .iter()
+                .map(|r| ContextRow {
+                    seq: r.seq,
+                    event_id: r.event_id,
+                    body: r.body.clone(),
+                })
+                .collect(),
+        }
+    }
+
+    /// The activation set in the §9 shape.
+    pub fn activations(&self) -> Activations {
+        Activations {
+            session_id: self.session_id,
+            as_of_seq: self.seq,
+            mode: self.mode.clone(),
+            tools: self.activation_set(),
+        }
+    }
+}

@@ -1,0 +1,219 @@
+//! The SQLite backend: the embedded default, one file.
+//!
+//! Settings fit for a log: WAL (readers never block the writer), a busy
+//! timeout (a second process waits for the write lock instead of failing),
+//! `synchronous=FULL` (an acknowledged append survives a power loss, see
+//! docs/design.md), and write transactions that take the write lock up front
+//! with `BEGIN IMMEDIATE`, so a transaction never has to upgrade a read lock
+//! and fail with SQLITE_BUSY half-way.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+use sqlx::{QueryBuilder, Sqlite, Transaction};
+use uuid::Uuid;
+
+use super::{LogTx, PendingRow, StoreOptions};
+use crate::error::{Error, Result};
+use crate::event::{EventBody, StoredEvent};
+
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
+
+/// Rows per INSERT statement: 7 parameters each, well under SQLite's limit.
+const INSERT_CHUNK: usize = 500;
+
+type Row = (i64, String, i64, String, String, String);
+
+const COLUMNS: &str = "position, session_id, seq, event_id, payload, recorded_at";
+
+pub(crate) struct SqliteBackend {
+    pool: SqlitePool,
+}
+
+fn decode(row: Row) -> Result<StoredEvent> {
+    let (position, session_id, seq, event_id, payload, recorded_at) = row;
+    let corrupt = |what: &str| Error::Corrupt(format!("event at position {position}: {what}"));
+    Ok(StoredEvent {
+        session_id: Uuid::parse_str(&session_id).map_err(|_| corrupt("bad session_id"))?,
+        seq,
+        event_id: Uuid::parse_str(&event_id).map_err(|_| corrupt("bad event_id"))?,
+        position,
+        recorded_at: DateTime::parse_from_rfc3339(&recorded_at)
+            .map_err(|_| corrupt("bad recorded_at"))?
+            .with_timezone(&Utc),
+        body: EventBody::from_json_text(&payload).map_err(|e| corrupt(&e.to_string()))?,
+    })
+}
+
+fn path_of(url: &str) -> &str {
+    url.strip_prefix("sqlite://")
+        .or_else(|| url.strip_prefix("sqlite:"))
+        .unwrap_or(url)
+}
+
+impl SqliteBackend {
+    pub(crate) async fn connect(url: &str, options: &StoreOptions) -> Result<SqliteBackend> {
+        let path = path_of(url);
+        if path.is_empty() {
+            return Err(Error::BadUrl(url.to_owned()));
+        }
+        let connect = SqliteConnectOptions::from_str(&format!("sqlite://{path}"))
+            .map_err(|_| Error::BadUrl(url.to_owned()))?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Full)
+            .busy_timeout(Duration::from_secs(10))
+            .foreign_keys(true);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(4)
+            .acquire_timeout(Duration::from_secs(
+                options.connect_timeout_secs.max(1) + 10,
+            ))
+            .connect_with(connect)
+            .await
+            .map_err(|e| {
+                Error::Unavailable(format!("cannot open SQLite database {path:?}: {e}"))
+            })?;
+        Ok(SqliteBackend { pool })
+    }
+
+    pub(crate) async fn migrate(&self) -> Result<()> {
+        MIGRATOR
+            .run(&self.pool)
+            .await
+            .map_err(|e| Error::Database(format!("migrating the SQLite database failed: {e}")))
+    }
+
+    pub(crate) async fn begin_write(&self) -> Result<SqliteTx> {
+        let tx = self
+            .pool
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(Error::from_sqlx)?;
+        Ok(SqliteTx(tx))
+    }
+
+    pub(crate) async fn head_seq(&self, session_id: Uuid) -> Result<i64> {
+        head_seq(&self.pool, session_id).await
+    }
+
+    pub(crate) async fn page(
+        &self,
+        session_id: Uuid,
+        after: i64,
+        limit: i64,
+    ) -> Result<Vec<StoredEvent>> {
+        let rows: Vec<Row> = sqlx::query_as(&format!(
+            "SELECT {COLUMNS} FROM events WHERE session_id = ? AND seq > ? ORDER BY seq LIMIT ?"
+        ))
+        .bind(session_id.to_string())
+        .bind(after)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(Error::from_sqlx)?;
+        rows.into_iter().map(decode).collect()
+    }
+
+    pub(crate) async fn close(&self) {
+        self.pool.close().await;
+    }
+}
+
+async fn head_seq<'e, E: sqlx::SqliteExecutor<'e>>(ex: E, session_id: Uuid) -> Result<i64> {
+    let (seq,): (i64,) =
+        sqlx::query_as("SELECT COALESCE(MAX(seq), 0) FROM events WHERE session_id = ?")
+            .bind(session_id.to_string())
+            .fetch_one(ex)
+            .await
+            .map_err(Error::from_sqlx)?;
+    Ok(seq)
+}
+
+/// A write transaction holding SQLite's write lock.
+pub(crate) struct SqliteTx(Transaction<'static, Sqlite>);
+
+impl LogTx for SqliteTx {
+    async fn head_seq(&mut self, session_id: Uuid) -> Result<i64> {
+        head_seq(&mut *self.0, session_id).await
+    }
+
+    async fn stored_by_ids(&mut self, ids: &[Uuid]) -> Result<Vec<StoredEvent>> {
+        let mut out = Vec::new();
+        for chunk in ids.chunks(INSERT_CHUNK) {
+            let mut q = QueryBuilder::<Sqlite>::new(format!(
+                "SELECT {COLUMNS} FROM events WHERE event_id IN ("
+            ));
+            let mut sep = q.separated(", ");
+            for id in chunk {
+                sep.push_bind(id.to_string());
+            }
+            q.push(")");
+            let rows: Vec<Row> = q
+                .build_query_as()
+                .fetch_all(&mut *self.0)
+                .await
+                .map_err(Error::from_sqlx)?;
+            for row in rows {
+                out.push(decode(row)?);
+            }
+        }
+        Ok(out)
+    }
+
+    async fn range(&mut self, session_id: Uuid, after: i64, upto: i64) -> Result<Vec<StoredEvent>> {
+        let rows: Vec<Row> = sqlx::query_as(&format!(
+            "SELECT {COLUMNS} FROM events WHERE session_id = ? AND seq > ? AND seq <= ? ORDER BY seq"
+        ))
+        .bind(session_id.to_string())
+        .bind(after)
+        .bind(upto)
+        .fetch_all(&mut *self.0)
+        .await
+        .map_err(Error::from_sqlx)?;
+        rows.into_iter().map(decode).collect()
+    }
+
+    async fn reserve_positions(&mut self, _n: i64) -> Result<i64> {
+        // The write lock is held: nobody else can take a position before we
+        // commit, so the next free one is simply max + 1.
+        let (last,): (i64,) = sqlx::query_as("SELECT COALESCE(MAX(position), 0) FROM events")
+            .fetch_one(&mut *self.0)
+            .await
+            .map_err(Error::from_sqlx)?;
+        Ok(last + 1)
+    }
+
+    async fn insert(&mut self, rows: &[PendingRow]) -> Result<()> {
+        for chunk in rows.chunks(INSERT_CHUNK) {
+            let mut q = QueryBuilder::<Sqlite>::new(
+                "INSERT INTO events (position, session_id, seq, event_id, type, payload, recorded_at) ",
+            );
+            q.push_values(chunk, |mut b, r| {
+                b.push_bind(r.position)
+                    .push_bind(r.session_id.to_string())
+                    .push_bind(r.seq)
+                    .push_bind(r.event_id.to_string())
+                    .push_bind(r.type_name)
+                    .push_bind(r.payload.as_str())
+                    .push_bind(
+                        r.recorded_at
+                            .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+                    );
+            });
+            q.build()
+                .execute(&mut *self.0)
+                .await
+                .map_err(Error::from_sqlx)?;
+        }
+        Ok(())
+    }
+
+    async fn commit(self) -> Result<()> {
+        self.0.commit().await.map_err(Error::from_sqlx)
+    }
+}
