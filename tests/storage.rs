@@ -1,0 +1,477 @@
+//! Storage behaviour (SEMANTICS §2), each test written once and run on
+//! SQLite and PostgreSQL.
+
+mod common;
+
+use serde_json::json;
+use session_store::event::{parse_line, LineKind};
+use session_store::{Error, EventBody, NewEvent, Rule, Store, ToolStatus};
+use uuid::Uuid;
+
+fn started() -> NewEvent {
+    NewEvent::new(EventBody::SessionStarted {
+        mode: "agent".into(),
+        metadata: None,
+    })
+}
+
+fn catalog(tools: &[&str]) -> NewEvent {
+    NewEvent::new(EventBody::CatalogDefined {
+        mode: "agent".into(),
+        deferred_tools: tools.iter().map(|s| s.to_string()).collect(),
+    })
+}
+
+fn prompt(text: &str) -> NewEvent {
+    NewEvent::new(EventBody::PromptSubmitted { text: text.into() })
+}
+
+fn call(id: &str, tool: &str) -> NewEvent {
+    NewEvent::new(EventBody::ToolCall {
+        call_id: id.into(),
+        tool_name: tool.into(),
+        input: json!({"q": tool}),
+    })
+}
+
+fn result(id: &str, tool: &str, status: ToolStatus, added: &[&str]) -> NewEvent {
+    NewEvent::new(EventBody::ToolResult {
+        call_id: id.into(),
+        tool_name: tool.into(),
+        status,
+        output: Some(json!(null)),
+        added_tool_names: Some(added.iter().map(|s| s.to_string()).collect()),
+    })
+}
+
+fn with_ids(events: Vec<NewEvent>) -> Vec<NewEvent> {
+    events
+        .into_iter()
+        .map(|e| e.with_id(Uuid::new_v4()))
+        .collect()
+}
+
+async fn all_events(store: &Store, s: Uuid) -> Vec<session_store::StoredEvent> {
+    store.history(s, 0, 100_000).await.unwrap()
+}
+
+both_backends!(
+    appends_get_dense_seqs_and_increasing_positions,
+    |url: String| async move {
+        let store = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        let other = Uuid::new_v4();
+        let a = store
+            .append(s, 0, vec![started(), catalog(&["web_fetch"])])
+            .await
+            .unwrap();
+        assert_eq!(
+            a.events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            vec![1, 2]
+        );
+        store.append(other, 0, vec![started()]).await.unwrap();
+        let b = store.append(s, 2, vec![prompt("hi")]).await.unwrap();
+        assert_eq!(b.events[0].seq, 3);
+        let events = all_events(&store, s).await;
+        assert_eq!(
+            events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            vec![1, 2, 3]
+        );
+        let positions: Vec<i64> = events.iter().map(|e| e.position).collect();
+        assert!(positions.windows(2).all(|w| w[0] < w[1]), "{positions:?}");
+        assert_eq!(store.head_seq(s).await.unwrap(), 3);
+    }
+);
+
+both_backends!(
+    wrong_expected_seq_is_a_conflict_with_the_current_seq,
+    |url: String| async move {
+        let store = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        store
+            .append(s, 0, vec![started(), prompt("a")])
+            .await
+            .unwrap();
+        let err = store.append(s, 1, vec![prompt("b")]).await.unwrap_err();
+        match err {
+            Error::Conflict {
+                current, expected, ..
+            } => {
+                assert_eq!((current, expected), (2, 1));
+            }
+            other => panic!("expected a conflict, got {other:?}"),
+        }
+        let err = store
+            .append(Uuid::new_v4(), 3, vec![started()])
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::Conflict { current: 0, .. }), "{err:?}");
+        assert_eq!(all_events(&store, s).await.len(), 2);
+    }
+);
+
+both_backends!(
+    a_batch_with_an_invalid_event_writes_nothing,
+    |url: String| async move {
+        let store = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        let err = store
+            .append(
+                s,
+                0,
+                vec![
+                    started(),
+                    prompt("ok"),
+                    result("nope", "x", ToolStatus::Success, &[]),
+                ],
+            )
+            .await
+            .unwrap_err();
+        match err {
+            Error::Invalid(v) => {
+                assert_eq!(v.rule, Rule::ResultWithoutCall);
+                assert_eq!(v.index, Some(2));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(store.head_seq(s).await.unwrap(), 0);
+        assert!(matches!(
+            store.context(s, None).await,
+            Err(Error::SessionNotFound(_))
+        ));
+    }
+);
+
+both_backends!(
+    a_retried_event_answers_its_stored_seq_whatever_the_expected_seq,
+    |url: String| async move {
+        let store = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        let first = with_ids(vec![started()]);
+        store.append(s, 0, first.clone()).await.unwrap();
+        let p = with_ids(vec![prompt("hello")]);
+        let stored = store.append(s, 1, p.clone()).await.unwrap();
+        let retry = store.append(s, 1, p.clone()).await.unwrap();
+        assert!(retry.replayed);
+        assert_eq!(retry.events, stored.events);
+        let retry_stale = store.append(s, 0, p).await.unwrap();
+        assert_eq!(retry_stale.events[0].seq, 2);
+        assert_eq!(all_events(&store, s).await.len(), 2);
+    }
+);
+
+both_backends!(
+    a_retried_batch_answers_its_stored_seqs,
+    |url: String| async move {
+        let store = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        let batch = with_ids(vec![started(), catalog(&["web_fetch"]), prompt("x")]);
+        let a = store.append(s, 0, batch.clone()).await.unwrap();
+        store.append(s, 3, vec![prompt("later")]).await.unwrap();
+        let b = store.append(s, 0, batch.clone()).await.unwrap();
+        assert!(b.replayed);
+        assert_eq!(a.events, b.events);
+        // Same events, another order: rejected.
+        let mut reversed = batch.clone();
+        reversed.reverse();
+        let err = store.append(s, 4, reversed).await.unwrap_err();
+        assert!(
+            matches!(&err, Error::Invalid(v) if v.rule == Rule::PartlyStoredBatch),
+            "{err:?}"
+        );
+        // Partly stored: rejected, nothing written.
+        let mut partly = batch[1..].to_vec();
+        partly.push(prompt("new").with_id(Uuid::new_v4()));
+        let err = store.append(s, 4, partly).await.unwrap_err();
+        assert!(
+            matches!(&err, Error::Invalid(v) if v.rule == Rule::PartlyStoredBatch),
+            "{err:?}"
+        );
+        assert_eq!(store.head_seq(s).await.unwrap(), 4);
+    }
+);
+
+both_backends!(
+    an_event_id_reused_with_other_content_is_rejected,
+    |url: String| async move {
+        let store = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        let id = Uuid::new_v4();
+        store.append(s, 0, vec![started()]).await.unwrap();
+        store
+            .append(s, 1, vec![prompt("one").with_id(id)])
+            .await
+            .unwrap();
+        let err = store
+            .append(s, 2, vec![prompt("two").with_id(id)])
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::Invalid(v) if v.rule == Rule::EventIdReused),
+            "{err:?}"
+        );
+        // The same id in another session is other content too.
+        let other = Uuid::new_v4();
+        store.append(other, 0, vec![started()]).await.unwrap();
+        let err = store
+            .append(other, 1, vec![prompt("one").with_id(id)])
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::Invalid(v) if v.rule == Rule::EventIdReused),
+            "{err:?}"
+        );
+        // Twice in one batch.
+        let dup = Uuid::new_v4();
+        let err = store
+            .append(
+                s,
+                2,
+                vec![prompt("a").with_id(dup), prompt("a").with_id(dup)],
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::Invalid(v) if v.rule == Rule::DuplicateEventIdInBatch),
+            "{err:?}"
+        );
+        assert_eq!(store.head_seq(s).await.unwrap(), 2);
+        assert_eq!(store.head_seq(other).await.unwrap(), 1);
+    }
+);
+
+both_backends!(
+    equal_json_in_another_key_order_is_an_idempotent_retry,
+    |url: String| async move {
+        let store = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        let id = Uuid::new_v4();
+        store.append(s, 0, vec![started()]).await.unwrap();
+        let line_a = format!(
+            r#"{{"event_id":"{id}","type":"tool_call","call_id":"c1","tool_name":"t","input":{{"a":1,"b":[1,2]}}}}"#
+        );
+        let line_b = format!(
+            r#"{{"input":{{"b":[1,2],"a":1}},"tool_name":"t","call_id":"c1","type":"tool_call","event_id":"{id}"}}"#
+        );
+        let a = parse_line(&line_a, LineKind::Append, 1 << 20)
+            .unwrap()
+            .event;
+        let b = parse_line(&line_b, LineKind::Append, 1 << 20)
+            .unwrap()
+            .event;
+        store.append(s, 1, vec![a]).await.unwrap();
+        let retry = store.append(s, 2, vec![b]).await.unwrap();
+        assert!(retry.replayed);
+        assert_eq!(store.head_seq(s).await.unwrap(), 2);
+    }
+);
+
+both_backends!(history_pages_by_seq, |url: String| async move {
+    let store = Store::open(&url).await.unwrap();
+    let s = Uuid::new_v4();
+    let mut batch = vec![started()];
+    batch.extend((0..25).map(|i| prompt(&format!("p{i}"))));
+    store.append(s, 0, batch).await.unwrap();
+    let mut seen = Vec::new();
+    let mut after = 0;
+    loop {
+        let page = store.history(s, after, 10).await.unwrap();
+        if page.is_empty() {
+            break;
+        }
+        assert!(page.len() <= 10);
+        after = page.last().unwrap().seq;
+        seen.extend(page.into_iter().map(|e| e.seq));
+    }
+    assert_eq!(seen, (1..=26).collect::<Vec<_>>());
+});
+
+both_backends!(payloads_round_trip_exactly, |url: String| async move {
+    let store = Store::open(&url).await.unwrap();
+    let s = Uuid::new_v4();
+    let line = r#"{"type":"session_started","mode":"agent","metadata":{"big":123456789012345678901234567890,"f":1.5e300,"s":"é\u0000x","nested":{"z":[true,null]}}}"#;
+    let e = parse_line(line, LineKind::Append, 1 << 20).unwrap().event;
+    let body = e.body.clone();
+    store.append(s, 0, vec![e]).await.unwrap();
+    // A fresh store (no cache) reads it back from the database.
+    let reopened = Store::open(&url).await.unwrap();
+    let back = reopened.history(s, 0, 10).await.unwrap();
+    assert_eq!(back[0].body, body);
+    let text = serde_json::to_string(&back[0].body).unwrap();
+    assert!(text.contains("123456789012345678901234567890"), "{text}");
+    let value: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(value["metadata"]["f"].as_f64(), Some(1.5e300));
+    assert_eq!(value["metadata"]["s"], "é\u{0}x");
+});
+
+both_backends!(imported_recorded_at_is_kept, |url: String| async move {
+    let store = Store::open(&url).await.unwrap();
+    let s = Uuid::new_v4();
+    let line = format!(
+        r#"{{"session_id":"{s}","type":"session_started","mode":"agent","recorded_at":"2025-01-02T03:04:05.123456Z"}}"#
+    );
+    let e = parse_line(&line, LineKind::Import, 1 << 20).unwrap().event;
+    store.append(s, 0, vec![e]).await.unwrap();
+    let back = store.history(s, 0, 1).await.unwrap();
+    assert_eq!(
+        back[0].recorded_at.to_rfc3339(),
+        "2025-01-02T03:04:05.123456+00:00"
+    );
+});
+
+both_backends!(oversized_events_are_rejected, |url: String| async move {
+    let opts = session_store::StoreOptions {
+        max_event_bytes: 200,
+        ..Default::default()
+    };
+    let store = Store::open_with(&url, opts).await.unwrap();
+    let s = Uuid::new_v4();
+    store.append(s, 0, vec![started()]).await.unwrap();
+    let err = store
+        .append(s, 1, vec![prompt(&"x".repeat(300))])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Invalid(v) if v.rule == Rule::TooLarge),
+        "{err:?}"
+    );
+    assert_eq!(store.head_seq(s).await.unwrap(), 1);
+});
+
+both_backends!(
+    context_and_activations_as_of_any_seq,
+    |url: String| async move {
+        let store = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        store
+            .append(
+                s,
+                0,
+                vec![
+                    started(),
+                    catalog(&["web_fetch", "image_view"]),
+                    prompt("find"),
+                    call("c1", "ToolSearch"),
+                    result("c1", "ToolSearch", ToolStatus::Success, &["web_fetch"]),
+                    prompt("next"),
+                ],
+            )
+            .await
+            .unwrap();
+        let now = store.activations(s, None).await.unwrap();
+        assert_eq!(now.as_of_seq, 6);
+        assert_eq!(now.tools.len(), 1);
+        assert_eq!(
+            (now.tools[0].name.as_str(), now.tools[0].evidence_seq),
+            ("web_fetch", 5)
+        );
+        let before = store.activations(s, Some(4)).await.unwrap();
+        assert!(before.tools.is_empty());
+        let ctx = store.context(s, Some(5)).await.unwrap();
+        assert_eq!(
+            ctx.rows.iter().map(|r| r.seq).collect::<Vec<_>>(),
+            vec![3, 4, 5]
+        );
+        assert!(matches!(
+            store.context(s, Some(7)).await,
+            Err(Error::SeqOutOfRange { latest: 6, .. })
+        ));
+        assert!(matches!(
+            store.context(s, Some(0)).await,
+            Err(Error::SeqOutOfRange { .. })
+        ));
+        assert!(matches!(
+            store.activations(Uuid::new_v4(), None).await,
+            Err(Error::SessionNotFound(_))
+        ));
+        // Another process (a fresh store) appending is seen by this one.
+        let other = Store::open(&url).await.unwrap();
+        other
+            .append(
+                s,
+                6,
+                vec![NewEvent::new(EventBody::ModeSwitched {
+                    mode: "plan".into(),
+                })],
+            )
+            .await
+            .unwrap();
+        let after = store.activations(s, None).await.unwrap();
+        assert_eq!(
+            (after.as_of_seq, after.mode.as_str(), after.tools.len()),
+            (7, "plan", 0)
+        );
+        // And this store validates against what the other one wrote.
+        let err = store
+            .append(s, 7, vec![call("c1", "again")])
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::Invalid(v) if v.rule == Rule::DuplicateCallId),
+            "{err:?}"
+        );
+    }
+);
+
+both_backends!(
+    the_database_refuses_updates_and_deletes,
+    |url: String| async move {
+        let store = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        store
+            .append(s, 0, vec![started(), prompt("keep me")])
+            .await
+            .unwrap();
+        let statements = ["UPDATE events SET payload = '{}'", "DELETE FROM events"];
+        if url.starts_with("postgres") {
+            let pool = sqlx::PgPool::connect(&url).await.unwrap();
+            for sql in statements.iter().chain(["TRUNCATE events"].iter()) {
+                let err = sqlx::query(sql).execute(&pool).await.unwrap_err();
+                assert!(err.to_string().contains("append-only"), "{sql}: {err}");
+            }
+        } else {
+            let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+            for sql in statements {
+                let err = sqlx::query(sql).execute(&pool).await.unwrap_err();
+                assert!(err.to_string().contains("append-only"), "{sql}: {err}");
+            }
+        }
+        assert_eq!(all_events(&store, s).await.len(), 2);
+    }
+);
+
+both_backends!(
+    concurrent_appends_to_one_session_never_share_a_seq,
+    |url: String| async move {
+        let s = Uuid::new_v4();
+        let store = std::sync::Arc::new(Store::open(&url).await.unwrap());
+        store.append(s, 0, vec![started()]).await.unwrap();
+        let mut tasks = Vec::new();
+        for w in 0..4 {
+            let url = url.clone();
+            tasks.push(tokio::spawn(async move {
+                let store = Store::open(&url).await.unwrap();
+                let mut written = 0;
+                while written < 10 {
+                    let head = store.head_seq(s).await.unwrap();
+                    match store
+                        .append(s, head, vec![prompt(&format!("w{w}-{written}"))])
+                        .await
+                    {
+                        Ok(_) => written += 1,
+                        Err(Error::Conflict { .. }) => {}
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        let events = all_events(&store, s).await;
+        assert_eq!(
+            events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            (1..=41).collect::<Vec<_>>()
+        );
+    }
+);
