@@ -1,0 +1,450 @@
+//! The real binary, on both backends: the spec's worked examples, bad input
+//! (each rule of SEMANTICS §4 leaves the store unchanged), exit codes.
+
+mod common;
+
+use std::io::Write;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_session-store");
+const EXAMPLES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/examples");
+
+fn run(url: &str, args: &[&str], stdin: Option<&str>) -> Output {
+    let mut child = Command::new(BIN)
+        .arg("--database")
+        .arg(url)
+        .args(args)
+        .env_remove("DATABASE_URL")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run session-store");
+    {
+        let mut input = child.stdin.take().unwrap();
+        if let Some(text) = stdin {
+            input.write_all(text.as_bytes()).unwrap();
+        }
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Every backend available to this run: SQLite always, PostgreSQL unless
+/// skipped (never under CI=true).
+fn backends() -> Vec<(&'static str, common::TestDb)> {
+    let mut v = vec![("sqlite", common::sqlite_db())];
+    if let Some(db) = common::postgres_db() {
+        v.push(("postgres", db));
+    }
+    v
+}
+
+fn strip_envelope(mut v: Value) -> Value {
+    if let Some(rows) = v.get_mut("rows").and_then(Value::as_array_mut) {
+        for row in rows {
+            if let Some(o) = row.as_object_mut() {
+                o.remove("position");
+                o.remove("recorded_at");
+            }
+        }
+    }
+    v
+}
+
+#[test]
+fn spec_examples_print_their_expected_json_on_both_backends() {
+    let mut names: Vec<String> = std::fs::read_dir(EXAMPLES)
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            e.file_name()
+                .to_str()?
+                .strip_suffix(".jsonl")
+                .map(str::to_owned)
+        })
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 5, "{names:?}");
+    for (backend, db) in backends() {
+        for name in &names {
+            let log = format!("{EXAMPLES}/{name}.jsonl");
+            let expected: Value = serde_json::from_str(
+                &std::fs::read_to_string(format!("{EXAMPLES}/{name}.expected.json")).unwrap(),
+            )
+            .unwrap();
+            let out = run(&db.url, &["import", &log], None);
+            assert!(out.status.success(), "{backend} {name}: {}", stderr(&out));
+            let session = expected["context"]["session_id"].as_str().unwrap();
+            for command in ["context", "activations"] {
+                let out = run(&db.url, &[command, session, "--json"], None);
+                assert!(
+                    out.status.success(),
+                    "{backend} {name} {command}: {}",
+                    stderr(&out)
+                );
+                let got: Value = serde_json::from_str(&stdout(&out)).unwrap();
+                assert_eq!(
+                    strip_envelope(got),
+                    expected[command],
+                    "{backend} {name} {command}"
+                );
+            }
+            // Re-importing stores nothing twice.
+            let out = run(&db.url, &["import", &log], None);
+            assert!(out.status.success(), "{}", stderr(&out));
+            assert!(
+                stdout(&out).starts_with("imported 0 events"),
+                "{}",
+                stdout(&out)
+            );
+        }
+    }
+}
+
+const S: &str = "11111111-2222-4333-8444-555555555555";
+
+fn base_log() -> String {
+    [
+        r#"{"type":"session_started","mode":"agent"}"#,
+        r#"{"type":"catalog_defined","mode":"agent","deferred_tools":["web_fetch"]}"#,
+        r#"{"type":"prompt_submitted","text":"one"}"#,
+        r#"{"event_id":"aaaaaaaa-0000-4000-8000-000000000001","type":"tool_call","call_id":"c1","tool_name":"ToolSearch","input":null}"#,
+        r#"{"event_id":"aaaaaaaa-0000-4000-8000-000000000002","type":"tool_result","call_id":"c1","tool_name":"ToolSearch","status":"success","added_tool_names":["web_fetch"]}"#,
+        r#"{"event_id":"aaaaaaaa-0000-4000-8000-000000000003","type":"prompt_submitted","text":"two"}"#,
+        r#"{"type":"tool_call","call_id":"c2","tool_name":"Read","input":{}}"#,
+    ]
+    .iter()
+    .map(|l| with_session(l))
+    .collect::<Vec<_>>()
+    .join("\n")
+}
+
+fn with_session(line: &str) -> String {
+    format!(r#"{{"session_id":"{S}",{}"#, &line[1..])
+}
+
+#[test]
+fn bad_input_is_rejected_with_a_clear_error_and_changes_nothing() {
+    // (what, line, text the message must contain)
+    let cases: Vec<(&str, String, &str)> = vec![
+        (
+            "malformed JSON",
+            format!(r#"{{"session_id":"{S}","type":"#),
+            "malformed JSON",
+        ),
+        ("not an object", "[1,2]".into(), "must be a JSON object"),
+        (
+            "wrong UUID",
+            r#"{"session_id":"not-a-uuid","type":"prompt_submitted","text":"x"}"#.into(),
+            "bad-uuid",
+        ),
+        (
+            "wrong event UUID",
+            with_session(r#"{"event_id":"123","type":"prompt_submitted","text":"x"}"#),
+            "bad-uuid",
+        ),
+        (
+            "unknown type",
+            with_session(r#"{"type":"prompt_deleted","text":"x"}"#),
+            "unknown-type",
+        ),
+        (
+            "missing field",
+            with_session(r#"{"type":"tool_call","call_id":"c9","tool_name":"x"}"#),
+            "missing field `input`",
+        ),
+        (
+            "mistyped field",
+            with_session(r#"{"type":"prompt_submitted","text":5}"#),
+            "mistyped-field",
+        ),
+        (
+            "unknown field",
+            with_session(r#"{"type":"prompt_submitted","text":"x","extra":1}"#),
+            "unknown-field",
+        ),
+        (
+            "seq given",
+            with_session(r#"{"type":"prompt_submitted","text":"x","seq":8}"#),
+            "assigned by the store",
+        ),
+        (
+            "second session_started",
+            with_session(r#"{"type":"session_started","mode":"agent"}"#),
+            "second-session-started",
+        ),
+        (
+            "duplicate call id",
+            with_session(r#"{"type":"tool_call","call_id":"c1","tool_name":"x","input":1}"#),
+            "duplicate-call-id",
+        ),
+        (
+            "result without call",
+            with_session(
+                r#"{"type":"tool_result","call_id":"zz","tool_name":"x","status":"success"}"#,
+            ),
+            "result-without-call",
+        ),
+        (
+            "second result",
+            with_session(
+                r#"{"type":"tool_result","call_id":"c1","tool_name":"ToolSearch","status":"success"}"#,
+            ),
+            "second-result-for-call",
+        ),
+        (
+            "tool name differs",
+            with_session(
+                r#"{"type":"tool_result","call_id":"c2","tool_name":"Write","status":"success"}"#,
+            ),
+            "result-tool-name-mismatch",
+        ),
+        (
+            "added names on error",
+            with_session(
+                r#"{"type":"tool_result","call_id":"c2","tool_name":"Read","status":"error","added_tool_names":["web_fetch"]}"#,
+            ),
+            "added-tool-names-without-success",
+        ),
+        (
+            "bad status",
+            with_session(
+                r#"{"type":"tool_result","call_id":"c2","tool_name":"Read","status":"ok"}"#,
+            ),
+            "mistyped-field",
+        ),
+        (
+            "control char in tool name",
+            with_session(
+                r#"{"type":"catalog_defined","mode":"agent","deferred_tools":["a\u0007b"]}"#,
+            ),
+            "bad-tool-name",
+        ),
+        (
+            "empty mode",
+            with_session(r#"{"type":"mode_switched","mode":""}"#),
+            "empty-field",
+        ),
+        (
+            "compaction keeps unknown row",
+            with_session(
+                r#"{"type":"compaction","summary":"s","first_kept_event_id":"aaaaaaaa-0000-4000-8000-0000000000ff"}"#,
+            ),
+            "compaction-keeps-non-effective-row",
+        ),
+        (
+            "compaction keeps a result",
+            with_session(
+                r#"{"type":"compaction","summary":"s","first_kept_event_id":"aaaaaaaa-0000-4000-8000-000000000002"}"#,
+            ),
+            "compaction-splits-call-from-result",
+        ),
+        (
+            "reused event id",
+            with_session(
+                r#"{"event_id":"aaaaaaaa-0000-4000-8000-000000000003","type":"prompt_submitted","text":"changed"}"#,
+            ),
+            "event-id-reused-with-other-content",
+        ),
+        (
+            "oversized event",
+            with_session(&format!(
+                r#"{{"type":"prompt_submitted","text":"{}"}}"#,
+                "x".repeat(1024 * 1024 + 1)
+            )),
+            "event-too-large",
+        ),
+    ];
+    for (backend, db) in backends() {
+        let out = run(&db.url, &["import"], Some(&base_log()));
+        assert!(out.status.success(), "{}", stderr(&out));
+        let before = stdout(&run(&db.url, &["history", S, "--json"], None));
+        assert_eq!(before.lines().count(), 7);
+        for (what, line, needle) in &cases {
+            let input = format!("\n{line}\n");
+            let out = run(&db.url, &["import"], Some(&input));
+            let err = stderr(&out);
+            assert_eq!(out.status.code(), Some(1), "{backend} {what}: {err}");
+            assert!(err.contains("line 2"), "{backend} {what}: {err}");
+            assert!(err.contains(needle), "{backend} {what}: {err}");
+            assert_eq!(
+                err.trim().lines().count(),
+                1,
+                "{backend} {what}: one sentence: {err}"
+            );
+            let after = stdout(&run(&db.url, &["history", S, "--json"], None));
+            assert_eq!(before, after, "{backend} {what}: the store changed");
+        }
+        // An event before session_started, in a new session.
+        let line = r#"{"session_id":"99999999-2222-4333-8444-555555555555","type":"prompt_submitted","text":"x"}"#;
+        let out = run(&db.url, &["import"], Some(line));
+        assert_eq!(out.status.code(), Some(1));
+        assert!(
+            stderr(&out).contains("event-before-session-started"),
+            "{}",
+            stderr(&out)
+        );
+    }
+}
+
+#[test]
+fn import_stops_at_the_bad_line_keeping_the_lines_before_it() {
+    for (backend, db) in backends() {
+        let good = base_log();
+        let bad = with_session(
+            r#"{"type":"tool_result","call_id":"nope","tool_name":"x","status":"error"}"#,
+        );
+        let tail = with_session(r#"{"type":"prompt_submitted","text":"never"}"#);
+        let input = format!("{good}\n\n{bad}\n{tail}\n");
+        let out = run(&db.url, &["import"], Some(&input));
+        assert_eq!(out.status.code(), Some(1), "{backend}");
+        assert!(
+            stderr(&out).contains("line 9"),
+            "{backend}: {}",
+            stderr(&out)
+        );
+        let history = stdout(&run(&db.url, &["history", S, "--json"], None));
+        assert_eq!(history.lines().count(), 7, "{backend}");
+        // Re-running the fixed import stores nothing twice for lines with
+        // event ids, and the rest is appended after them.
+        let with_ids: Vec<&str> = good.lines().filter(|l| l.contains("event_id")).collect();
+        let fixed = format!("{}\n{tail}\n", with_ids.join("\n"));
+        let out = run(&db.url, &["import"], Some(&fixed));
+        assert!(out.status.success(), "{backend}: {}", stderr(&out));
+        assert!(
+            stdout(&out).contains("imported 1 events"),
+            "{backend}: {}",
+            stdout(&out)
+        );
+        let history = stdout(&run(&db.url, &["history", S, "--json"], None));
+        assert_eq!(history.lines().count(), 8, "{backend}");
+        let ids: Vec<String> = history
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<Value>(l).unwrap()["event_id"]
+                    .as_str()
+                    .unwrap()
+                    .to_owned()
+            })
+            .collect();
+        for id in [
+            "aaaaaaaa-0000-4000-8000-000000000001",
+            "aaaaaaaa-0000-4000-8000-000000000003",
+        ] {
+            assert_eq!(
+                ids.iter().filter(|i| *i == id).count(),
+                1,
+                "{backend}: {id}"
+            );
+        }
+    }
+}
+
+#[test]
+fn append_prints_seqs_and_a_conflict_exits_3() {
+    for (backend, db) in backends() {
+        let lines = base_log()
+            .lines()
+            .take(3)
+            .map(|l| l.replace(&format!(r#""session_id":"{S}","#), ""))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let out = run(&db.url, &["append", S, "--expected-seq", "0"], Some(&lines));
+        assert!(out.status.success(), "{backend}: {}", stderr(&out));
+        let seqs: Vec<i64> = stdout(&out)
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<Value>(l).unwrap()["seq"]
+                    .as_i64()
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(seqs, vec![1, 2, 3], "{backend}");
+        let out = run(
+            &db.url,
+            &["append", S, "--expected-seq", "1"],
+            Some(r#"{"type":"prompt_submitted","text":"late"}"#),
+        );
+        assert_eq!(out.status.code(), Some(3), "{backend}");
+        assert!(
+            stderr(&out).contains("at seq 3"),
+            "{backend}: {}",
+            stderr(&out)
+        );
+        // A line naming another session is refused, and the batch with it.
+        let other = r#"{"session_id":"99999999-2222-4333-8444-555555555555","type":"prompt_submitted","text":"x"}"#;
+        let out = run(&db.url, &["append", S, "--expected-seq", "3"], Some(other));
+        assert_eq!(out.status.code(), Some(1), "{backend}");
+        // An invalid second line rejects the whole batch and names line 2.
+        let batch = "{\"type\":\"prompt_submitted\",\"text\":\"ok\"}\n{\"type\":\"tool_result\",\"call_id\":\"x\",\"tool_name\":\"y\",\"status\":\"success\"}";
+        let out = run(&db.url, &["append", S, "--expected-seq", "3"], Some(batch));
+        assert_eq!(out.status.code(), Some(1), "{backend}");
+        assert!(
+            stderr(&out).contains("line 2"),
+            "{backend}: {}",
+            stderr(&out)
+        );
+        let history = stdout(&run(&db.url, &["history", S, "--json"], None));
+        assert_eq!(history.lines().count(), 3, "{backend}");
+    }
+}
+
+#[test]
+fn not_found_out_of_range_and_usage_have_their_exit_codes() {
+    for (backend, db) in backends() {
+        let out = run(&db.url, &["activations", S, "--json"], None);
+        assert_eq!(out.status.code(), Some(1), "{backend}");
+        assert!(stderr(&out).contains("not found"), "{}", stderr(&out));
+        run(&db.url, &["import"], Some(&base_log()));
+        let out = run(&db.url, &["context", S, "--at-seq", "8", "--json"], None);
+        assert_eq!(out.status.code(), Some(1), "{backend}");
+        assert!(stderr(&out).contains("out of range"), "{}", stderr(&out));
+        let out = run(&db.url, &["context", S, "--at-seq", "5", "--json"], None);
+        let v: Value = serde_json::from_str(&stdout(&out)).unwrap();
+        assert_eq!(v["as_of_seq"], 5);
+        assert_eq!(v["rows"].as_array().unwrap().len(), 3);
+        let out = run(&db.url, &["activations", "not-a-uuid"], None);
+        assert_eq!(out.status.code(), Some(1), "{backend}");
+        let out = run(&db.url, &["frobnicate"], None);
+        assert_eq!(out.status.code(), Some(2), "{backend}");
+        let out = run(&db.url, &["context"], None);
+        assert_eq!(out.status.code(), Some(2), "{backend}");
+        // The readable tables.
+        let out = run(&db.url, &["activations", S], None);
+        assert!(stdout(&out).contains("web_fetch  5"), "{}", stdout(&out));
+        let out = run(&db.url, &["context", S], None);
+        assert!(
+            stdout(&out).contains("ToolSearch (call c1) success, added [web_fetch]"),
+            "{}",
+            stdout(&out)
+        );
+    }
+}
+
+#[test]
+fn unreachable_storage_exits_4_within_seconds() {
+    let port = common::free_port();
+    let url = format!("postgres://postgres@127.0.0.1:{port}/none");
+    let started = Instant::now();
+    let out = run(&url, &["activations", S], None);
+    assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert!(
+        stderr(&out).contains("storage unavailable"),
+        "{}",
+        stderr(&out)
+    );
+    let out = run("/nonexistent-dir/x/store.db", &["activations", S], None);
+    assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
+}
