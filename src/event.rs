@@ -452,18 +452,25 @@ fn payload<T: for<'de> Deserialize<'de>>(
     type_name: &str,
     map: Map<String, Value>,
 ) -> Result<T, ValidationError> {
-    serde_json::from_value(Value::Object(map)).map_err(|e| {
-        let msg = e.to_string();
-        let rule = if msg.starts_with("unknown field") {
-            Rule::UnknownField
+    // serde_path_to_error names the field (e.g. `deferred_tools[2]`) that a
+    // bare serde error would leave out.
+    serde_path_to_error::deserialize(Value::Object(map)).map_err(|e| {
+        let path = e.path().to_string();
+        let msg = e.inner().to_string();
+        let (rule, field) = if msg.starts_with("unknown field") {
+            (Rule::UnknownField, msg.split('`').nth(1).map(str::to_owned))
         } else if msg.starts_with("missing field") {
-            Rule::MissingField
+            (Rule::MissingField, msg.split('`').nth(1).map(str::to_owned))
         } else {
-            Rule::MistypedField
+            (Rule::MistypedField, (path != ".").then(|| path.clone()))
         };
-        let field = msg.split('`').nth(1).map(str::to_owned);
-        ValidationError::new(rule, None, format!("invalid `{type_name}` event: {msg}"))
-            .with_field_name(field)
+        let text = match (&rule, &field) {
+            (Rule::MistypedField, Some(f)) => {
+                format!("invalid `{type_name}` event: field `{f}`: {msg}")
+            }
+            _ => format!("invalid `{type_name}` event: {msg}"),
+        };
+        ValidationError::new(rule, None, text).with_field_name(field)
     })
 }
 
