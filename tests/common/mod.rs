@@ -237,6 +237,8 @@ impl PgServer {
 
     /// A shell that waits for this process to exit, then stops the server
     /// and removes its directory.
+    // The watchdog must outlive this process, so it is never waited for.
+    #[allow(clippy::zombie_processes)]
     fn spawn_watchdog(&self) {
         let pg_ctl = self.bin.join("pg_ctl");
         let data = self.dir.join("data");
