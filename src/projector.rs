@@ -38,9 +38,37 @@ pub struct SessionState {
     pub catalogs: HashMap<String, (Vec<String>, i64)>,
     /// The latest compaction's summary and seq, if any.
     pub compaction: Option<(String, i64)>,
+    /// Transcript rows with seq >= this are effective (§5): 1 without a
+    /// compaction, else `seq(first_kept_event_id)` or the compaction's seq + 1.
+    pub window_start: i64,
+    /// The seq of the latest refresh point (§8), 0 before the first.
+    pub refresh_seq: i64,
     /// The effective transcript rows, in seq order (§5).
     pub rows: Vec<StoredEvent>,
     pub(crate) calls: HashMap<String, CallInfo>,
+}
+
+/// The state of a session at its latest refresh point (SEMANTICS §8), as the
+/// store keeps it: enough to answer "as of the latest event" by folding only
+/// the events after `refresh_seq` and reading the effective window.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct View {
+    /// The session.
+    pub session_id: Uuid,
+    /// The seq of the refresh point.
+    pub refresh_seq: i64,
+    /// The mode there.
+    pub mode: String,
+    /// Where the effective context starts.
+    pub window_start: i64,
+    /// The latest compaction's summary and seq.
+    pub compaction: Option<(String, i64)>,
+    /// Every mode's catalog and the seq that defined it.
+    pub catalogs: HashMap<String, (Vec<String>, i64)>,
+    /// Every name with evidence in the window, with its evidence seq.
+    pub evidence: BTreeMap<String, i64>,
+    /// The activation set there.
+    pub active: Vec<Activation>,
 }
 
 /// One name of the activation set (§7).
@@ -102,6 +130,8 @@ impl SessionState {
             mode: String::new(),
             catalogs: HashMap::new(),
             compaction: None,
+            window_start: 1,
+            refresh_seq: 0,
             rows: Vec::new(),
             calls: HashMap::new(),
         }
@@ -119,6 +149,9 @@ impl SessionState {
     /// Applies one accepted event.
     pub fn apply(&mut self, event: &StoredEvent) {
         self.seq = event.seq;
+        if event.body.is_refresh_point() {
+            self.refresh_seq = event.seq;
+        }
         match &event.body {
             EventBody::SessionStarted { mode, .. } => {
                 self.started = true;
@@ -140,6 +173,11 @@ impl SessionState {
                 let keep_from = first_kept_event_id
                     .and_then(|id| self.rows.iter().position(|r| r.event_id == id))
                     .unwrap_or(self.rows.len());
+                self.window_start = self
+                    .rows
+                    .get(keep_from)
+                    .map(|r| r.seq)
+                    .unwrap_or(event.seq + 1);
                 self.rows.drain(..keep_from);
                 self.compaction = Some((summary.clone(), event.seq));
             }
@@ -165,6 +203,44 @@ impl SessionState {
             EventBody::PromptSubmitted { .. } | EventBody::AssistantMessage { .. } => {
                 self.rows.push(event.clone());
             }
+        }
+    }
+
+    /// Rebuilds a state from a materialized view (§8) taken at
+    /// `view.refresh_seq` and the effective rows at that point (the log's
+    /// rows with `window_start <= seq <= refresh_seq`). Calls of the session
+    /// outside the window are not known to the result; the store looks
+    /// them up when a batch needs them.
+    pub fn from_view(view: &View, window_rows: &[StoredEvent]) -> SessionState {
+        let mut state = SessionState::empty(view.session_id);
+        state.started = true;
+        for row in window_rows.iter().filter(|r| r.body.is_row()) {
+            state.apply(row);
+        }
+        state.seq = view.refresh_seq;
+        state.refresh_seq = view.refresh_seq;
+        state.mode = view.mode.clone();
+        state.catalogs = view.catalogs.clone();
+        state.compaction = view.compaction.clone();
+        state.window_start = view.window_start;
+        state
+    }
+
+    /// The materialized view of this state (meaningful at a refresh point).
+    pub fn view(&self) -> View {
+        View {
+            session_id: self.session_id,
+            refresh_seq: self.seq,
+            mode: self.mode.clone(),
+            window_start: self.window_start,
+            compaction: self.compaction.clone(),
+            catalogs: self.catalogs.clone(),
+            evidence: self
+                .evidence()
+                .into_iter()
+                .map(|(n, s)| (n.to_owned(), s))
+                .collect(),
+            active: self.activation_set(),
         }
     }
 

@@ -31,3 +31,29 @@ CREATE TRIGGER events_no_update_delete BEFORE UPDATE OR DELETE ON events
 
 CREATE TRIGGER events_no_truncate BEFORE TRUNCATE ON events
     FOR EACH STATEMENT EXECUTE FUNCTION events_refuse_change();
+
+-- Every tool call of a session, written with the events: validation looks
+-- calls up here instead of folding the whole history (a derived index;
+-- `rebuild` recomputes it).
+CREATE TABLE calls (
+    session_id UUID   NOT NULL,
+    call_id    TEXT   NOT NULL,
+    tool_name  TEXT   NOT NULL,
+    call_seq   BIGINT NOT NULL,
+    result_seq BIGINT,
+    PRIMARY KEY (session_id, call_id)
+);
+
+-- The materialized view (SEMANTICS §8): each session's state at its latest
+-- refresh point, written in the transaction that appends the refresh point.
+CREATE TABLE session_views (
+    session_id     UUID   PRIMARY KEY,
+    refresh_seq    BIGINT NOT NULL,
+    mode           TEXT   NOT NULL,
+    window_start   BIGINT NOT NULL,
+    compaction_seq BIGINT,
+    summary        TEXT,
+    catalogs       TEXT   NOT NULL, -- {"mode": {"tools": [...], "seq": n}}
+    evidence       TEXT   NOT NULL, -- {"name": evidence_seq} for the window
+    active         TEXT   NOT NULL  -- [{"name", "evidence_seq"}], sorted
+);

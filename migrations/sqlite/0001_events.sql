@@ -22,3 +22,29 @@ CREATE TRIGGER events_no_delete BEFORE DELETE ON events
 BEGIN
     SELECT RAISE(ABORT, 'events are append-only: DELETE is not allowed');
 END;
+
+-- Every tool call of a session, written with the events: validation looks
+-- calls up here instead of folding the whole history (a derived index;
+-- `rebuild` recomputes it).
+CREATE TABLE calls (
+    session_id TEXT    NOT NULL,
+    call_id    TEXT    NOT NULL,
+    tool_name  TEXT    NOT NULL,
+    call_seq   INTEGER NOT NULL,
+    result_seq INTEGER,
+    PRIMARY KEY (session_id, call_id)
+);
+
+-- The materialized view (SEMANTICS §8): each session's state at its latest
+-- refresh point, written in the transaction that appends the refresh point.
+CREATE TABLE session_views (
+    session_id     TEXT    PRIMARY KEY,
+    refresh_seq    INTEGER NOT NULL,
+    mode           TEXT    NOT NULL,
+    window_start   INTEGER NOT NULL,
+    compaction_seq INTEGER,
+    summary        TEXT,
+    catalogs       TEXT    NOT NULL, -- {"mode": {"tools": [...], "seq": n}}
+    evidence       TEXT    NOT NULL, -- {"name": evidence_seq} for the window
+    active         TEXT    NOT NULL  -- [{"name", "evidence_seq"}], sorted
+);

@@ -29,8 +29,8 @@ use tracing::{debug, instrument};
 use uuid::Uuid;
 
 use crate::error::{Error, Result, Rule, ValidationError};
-use crate::event::{NewEvent, StoredEvent};
-use crate::projector::{Activations, Context, SessionState};
+use crate::event::{EventBody, NewEvent, StoredEvent};
+use crate::projector::{Activation, Activations, Context, SessionState, View};
 use crate::validate::{check_event, DEFAULT_MAX_EVENT_BYTES};
 
 /// How many events one read fetches when folding a log.
@@ -112,8 +112,104 @@ pub(crate) trait LogTx: Send {
     fn reserve_positions(&mut self, n: i64) -> impl Future<Output = Result<i64>> + Send;
     /// Inserts the rows.
     fn insert(&mut self, rows: &[PendingRow]) -> impl Future<Output = Result<()>> + Send;
+    /// The session's materialized view, if it has one.
+    fn load_view(
+        &mut self,
+        session_id: Uuid,
+    ) -> impl Future<Output = Result<Option<ViewRow>>> + Send;
+    /// Inserts or replaces the session's materialized view.
+    fn write_view(&mut self, view: &ViewRow) -> impl Future<Output = Result<()>> + Send;
+    /// The calls index rows of these call ids.
+    fn calls(
+        &mut self,
+        session_id: Uuid,
+        call_ids: &[String],
+    ) -> impl Future<Output = Result<Vec<CallRow>>> + Send;
+    /// Writes new calls and the seqs of new results into the calls index.
+    fn record_calls(
+        &mut self,
+        session_id: Uuid,
+        new_calls: &[CallRow],
+        results: &[(String, i64)],
+    ) -> impl Future<Output = Result<()>> + Send;
+    /// The seq of the session's latest refresh point (0 without one).
+    fn last_refresh_seq(&mut self, session_id: Uuid) -> impl Future<Output = Result<i64>> + Send;
+    /// Removes the session's view and calls index (before a rebuild).
+    fn clear_derived(&mut self, session_id: Uuid) -> impl Future<Output = Result<()>> + Send;
+    /// Every session id in the log, in id order.
+    fn session_ids(&mut self) -> impl Future<Output = Result<Vec<Uuid>>> + Send;
     /// Commits.
     fn commit(self) -> impl Future<Output = Result<()>> + Send;
+}
+
+/// One row of the calls index: call id, tool name, call seq, result seq.
+pub(crate) type CallRow = (String, String, i64, Option<i64>);
+
+/// A materialized view as stored: the scalar columns plus JSON text for the
+/// catalogs, the window's evidence and the activation set.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct ViewRow {
+    pub(crate) session_id: Uuid,
+    pub(crate) refresh_seq: i64,
+    pub(crate) mode: String,
+    pub(crate) window_start: i64,
+    pub(crate) compaction_seq: Option<i64>,
+    pub(crate) summary: Option<String>,
+    pub(crate) catalogs: String,
+    pub(crate) evidence: String,
+    pub(crate) active: String,
+}
+
+impl ViewRow {
+    pub(crate) fn from_view(v: &View) -> ViewRow {
+        ViewRow {
+            session_id: v.session_id,
+            refresh_seq: v.refresh_seq,
+            mode: v.mode.clone(),
+            window_start: v.window_start,
+            compaction_seq: v.compaction.as_ref().map(|(_, s)| *s),
+            summary: v.compaction.as_ref().map(|(s, _)| s.clone()),
+            catalogs: serde_json::to_string(&v.catalogs).unwrap_or_default(),
+            evidence: serde_json::to_string(&v.evidence).unwrap_or_default(),
+            active: serde_json::to_string(&v.active).unwrap_or_default(),
+        }
+    }
+
+    pub(crate) fn to_view(&self) -> Result<View> {
+        let corrupt = |what: &str, e: serde_json::Error| {
+            Error::Corrupt(format!(
+                "the view of session {} has unreadable {what}: {e}",
+                self.session_id
+            ))
+        };
+        let active: Vec<ActiveJson> =
+            serde_json::from_str(&self.active).map_err(|e| corrupt("active", e))?;
+        Ok(View {
+            session_id: self.session_id,
+            refresh_seq: self.refresh_seq,
+            mode: self.mode.clone(),
+            window_start: self.window_start,
+            compaction: match (&self.summary, self.compaction_seq) {
+                (Some(s), Some(seq)) => Some((s.clone(), seq)),
+                _ => None,
+            },
+            catalogs: serde_json::from_str(&self.catalogs).map_err(|e| corrupt("catalogs", e))?,
+            evidence: serde_json::from_str(&self.evidence).map_err(|e| corrupt("evidence", e))?,
+            active: active
+                .into_iter()
+                .map(|a| Activation {
+                    name: a.name,
+                    evidence_seq: a.evidence_seq,
+                })
+                .collect(),
+        })
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct ActiveJson {
+    name: String,
+    evidence_seq: i64,
 }
 
 enum Backend {
@@ -283,39 +379,15 @@ impl Store {
     /// The session folded up to `at_seq` (the latest seq when `None`).
     /// Errors: [`Error::SessionNotFound`], [`Error::SeqOutOfRange`].
     pub async fn state(&self, session_id: Uuid, at_seq: Option<i64>) -> Result<SessionState> {
-        let latest = self.head_seq(session_id).await?;
-        if latest == 0 {
-            return Err(Error::SessionNotFound(session_id));
-        }
-        let target = match at_seq {
-            None => latest,
-            Some(n) if (1..=latest).contains(&n) => n,
-            Some(n) => {
-                return Err(Error::SeqOutOfRange {
-                    session_id,
-                    seq: n,
-                    latest,
-                })
+        let cached = self.cached_state(session_id);
+        let state = match &self.backend {
+            Backend::Sqlite(b) => {
+                read_state(b.begin_read().await?, cached, session_id, at_seq).await?
+            }
+            Backend::Postgres(b) => {
+                read_state(b.begin_read().await?, cached, session_id, at_seq).await?
             }
         };
-        let mut state = match self.cached_state(session_id) {
-            Some(s) if s.seq <= target => s,
-            _ => SessionState::empty(session_id),
-        };
-        while state.seq < target {
-            let page = self
-                .history(session_id, state.seq, FOLD_PAGE.min(target - state.seq))
-                .await?;
-            if page.is_empty() {
-                return Err(Error::Corrupt(format!(
-                    "session {session_id} has no event after seq {} although its head is {latest}",
-                    state.seq
-                )));
-            }
-            for e in &page {
-                state.apply(e);
-            }
-        }
         if at_seq.is_none() {
             self.cache_state(state.clone());
         }
@@ -452,26 +524,18 @@ async fn append_in<T: LogTx>(
     }
 
     // 3. Catch the session state up to the head, then validate.
-    let mut state = match cached {
+    let state = match cached {
         Some(s) if s.seq <= head => s,
-        _ => SessionState::empty(session_id),
+        _ => cold_state(&mut tx, session_id).await?,
     };
-    while state.seq < head {
-        let upto = head.min(state.seq + FOLD_PAGE);
-        let page = tx.range(session_id, state.seq, upto).await?;
-        if page.is_empty() {
-            return Err(Error::Corrupt(format!(
-                "session {session_id} has no event after seq {} although its head is {head}",
-                state.seq
-            )));
-        }
-        for e in &page {
-            state.apply(e);
-        }
-    }
+    let mut state = catch_up(&mut tx, state, head).await?;
+    prefetch_calls(&mut tx, &mut state, events).await?;
     let first_position = tx.reserve_positions(events.len() as i64).await?;
     let now = Utc::now().trunc_subsecs(6);
     let mut rows = Vec::with_capacity(events.len());
+    let mut new_calls: Vec<CallRow> = Vec::new();
+    let mut results: Vec<(String, i64)> = Vec::new();
+    let mut last_view = None;
     for (i, e) in events.iter().enumerate() {
         let payload = e.body.to_json_text();
         if payload.len() > options.max_event_bytes {
@@ -505,9 +569,21 @@ async fn append_in<T: LogTx>(
             recorded_at: row.recorded_at,
             body: e.body.clone(),
         });
+        match &e.body {
+            EventBody::ToolCall {
+                call_id, tool_name, ..
+            } => new_calls.push((call_id.clone(), tool_name.clone(), row.seq, None)),
+            EventBody::ToolResult { call_id, .. } => results.push((call_id.clone(), row.seq)),
+            body if body.is_refresh_point() => last_view = Some(state.view()),
+            _ => {}
+        }
         rows.push(row);
     }
     tx.insert(&rows).await?;
+    tx.record_calls(session_id, &new_calls, &results).await?;
+    if let Some(view) = &last_view {
+        tx.write_view(&ViewRow::from_view(view)).await?;
+    }
     tx.commit().await?;
     let appended = rows
         .iter()
@@ -524,4 +600,131 @@ async fn append_in<T: LogTx>(
         },
         Some(state),
     ))
+}
+
+/// The state of a session not in the cache: from its materialized view and
+/// effective window when it has one (cost: the window, not the history),
+/// else empty (the caller folds from seq 1).
+async fn cold_state<T: LogTx>(tx: &mut T, session_id: Uuid) -> Result<SessionState> {
+    match tx.load_view(session_id).await? {
+        Some(row) => {
+            let view = row.to_view()?;
+            let window = tx
+                .range(session_id, view.window_start - 1, view.refresh_seq)
+                .await?;
+            Ok(SessionState::from_view(&view, &window))
+        }
+        None => Ok(SessionState::empty(session_id)),
+    }
+}
+
+/// Folds the events after `state.seq` up to `upto`, a page at a time.
+async fn catch_up<T: LogTx>(
+    tx: &mut T,
+    mut state: SessionState,
+    upto: i64,
+) -> Result<SessionState> {
+    while state.seq < upto {
+        let page_end = upto.min(state.seq + FOLD_PAGE);
+        let page = tx.range(state.session_id, state.seq, page_end).await?;
+        if page.is_empty() {
+            return Err(Error::Corrupt(format!(
+                "session {} has no event after seq {} although it should reach seq {upto}",
+                state.session_id, state.seq
+            )));
+        }
+        for e in &page {
+            state.apply(e);
+        }
+    }
+    Ok(state)
+}
+
+/// Loads from the calls index the calls that validating `events` may need
+/// and that `state` does not know: those the batch names, and those of the
+/// window's results (a compaction check needs their seqs).
+async fn prefetch_calls<T: LogTx>(
+    tx: &mut T,
+    state: &mut SessionState,
+    events: &[NewEvent],
+) -> Result<()> {
+    let mut wanted: Vec<String> = Vec::new();
+    let mut add = |id: &String, state: &SessionState| {
+        if !state.calls.contains_key(id) && !wanted.contains(id) {
+            wanted.push(id.clone());
+        }
+    };
+    for e in events {
+        if let EventBody::ToolCall { call_id, .. } | EventBody::ToolResult { call_id, .. } = &e.body
+        {
+            add(call_id, state);
+        }
+        if matches!(e.body, EventBody::Compaction { .. }) {
+            for row in &state.rows {
+                if let EventBody::ToolResult { call_id, .. } = &row.body {
+                    add(call_id, state);
+                }
+            }
+        }
+    }
+    if wanted.is_empty() {
+        return Ok(());
+    }
+    for (call_id, tool_name, seq, result_seq) in tx.calls(state.session_id, &wanted).await? {
+        state.calls.insert(
+            call_id,
+            crate::projector::CallInfo {
+                tool_name,
+                seq,
+                has_result: result_seq.is_some(),
+            },
+        );
+    }
+    Ok(())
+}
+
+/// The state as of `at` (the head when `None`), read in one transaction so
+/// the view, the window and the events after it agree.
+async fn read_state<T: LogTx>(
+    mut tx: T,
+    cached: Option<SessionState>,
+    session_id: Uuid,
+    at: Option<i64>,
+) -> Result<SessionState> {
+    let latest = tx.head_seq(session_id).await?;
+    if latest == 0 {
+        return Err(Error::SessionNotFound(session_id));
+    }
+    let target = match at {
+        None => latest,
+        Some(n) if (1..=latest).contains(&n) => n,
+        Some(n) => {
+            return Err(Error::SeqOutOfRange {
+                session_id,
+                seq: n,
+                latest,
+            })
+        }
+    };
+    let state = match cached {
+        Some(s) if s.seq <= target => s,
+        _ if at.is_none() => cold_state(&mut tx, session_id).await?,
+        _ => SessionState::empty(session_id),
+    };
+    let state = if state.seq > target {
+        SessionState::empty(session_id)
+    } else {
+        state
+    };
+    catch_up(&mut tx, state, target).await
+}
+
+/// The view a full fold gives at the latest refresh point (None without one).
+async fn view_from_log<T: LogTx>(tx: &mut T, session_id: Uuid) -> Result<Option<View>> {
+    let refresh = tx.last_refresh_seq(session_id).await?;
+    if refresh == 0 {
+        return Ok(None);
+    }
+    let state = catch_up(tx, SessionState::empty(session_id), refresh).await?;
+    Ok(Some(state.view()))
 }

@@ -19,7 +19,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Postgres, Transaction};
 use uuid::Uuid;
 
-use super::{LogTx, PendingRow, StoreOptions};
+use super::{CallRow, LogTx, PendingRow, StoreOptions, ViewRow};
 use crate::error::{Error, Result};
 use crate::event::{EventBody, StoredEvent};
 
@@ -87,6 +87,17 @@ impl PgBackend {
                 .await
                 .map_err(Error::from_sqlx)?;
         Ok(PgTx { tx, last })
+    }
+
+    /// A read transaction: one snapshot (REPEATABLE READ) for the view,
+    /// window and tail; it takes no lock.
+    pub(crate) async fn begin_read(&self) -> Result<PgTx> {
+        let tx = self
+            .pool
+            .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            .await
+            .map_err(Error::from_sqlx)?;
+        Ok(PgTx { tx, last: 0 })
     }
 
     pub(crate) async fn head_seq(&self, session_id: Uuid) -> Result<i64> {
@@ -196,6 +207,149 @@ impl LogTx for PgTx {
         .await
         .map_err(Error::from_sqlx)?;
         Ok(())
+    }
+
+    async fn load_view(&mut self, session_id: Uuid) -> Result<Option<ViewRow>> {
+        type R = (
+            i64,
+            String,
+            i64,
+            Option<i64>,
+            Option<String>,
+            String,
+            String,
+            String,
+        );
+        let row: Option<R> = sqlx::query_as(
+            "SELECT refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active \
+             FROM session_views WHERE session_id = $1",
+        )
+        .bind(session_id)
+        .fetch_optional(&mut *self.tx)
+        .await
+        .map_err(Error::from_sqlx)?;
+        Ok(row.map(|r| ViewRow {
+            session_id,
+            refresh_seq: r.0,
+            mode: r.1,
+            window_start: r.2,
+            compaction_seq: r.3,
+            summary: r.4,
+            catalogs: r.5,
+            evidence: r.6,
+            active: r.7,
+        }))
+    }
+
+    async fn write_view(&mut self, v: &ViewRow) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO session_views \
+             (session_id, refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
+             ON CONFLICT (session_id) DO UPDATE SET refresh_seq = EXCLUDED.refresh_seq, \
+             mode = EXCLUDED.mode, window_start = EXCLUDED.window_start, \
+             compaction_seq = EXCLUDED.compaction_seq, summary = EXCLUDED.summary, \
+             catalogs = EXCLUDED.catalogs, evidence = EXCLUDED.evidence, active = EXCLUDED.active",
+        )
+        .bind(v.session_id)
+        .bind(v.refresh_seq)
+        .bind(&v.mode)
+        .bind(v.window_start)
+        .bind(v.compaction_seq)
+        .bind(&v.summary)
+        .bind(&v.catalogs)
+        .bind(&v.evidence)
+        .bind(&v.active)
+        .execute(&mut *self.tx)
+        .await
+        .map_err(Error::from_sqlx)?;
+        Ok(())
+    }
+
+    async fn calls(&mut self, session_id: Uuid, call_ids: &[String]) -> Result<Vec<CallRow>> {
+        sqlx::query_as(
+            "SELECT call_id, tool_name, call_seq, result_seq FROM calls \
+             WHERE session_id = $1 AND call_id = ANY($2)",
+        )
+        .bind(session_id)
+        .bind(call_ids)
+        .fetch_all(&mut *self.tx)
+        .await
+        .map_err(Error::from_sqlx)
+    }
+
+    async fn record_calls(
+        &mut self,
+        session_id: Uuid,
+        new_calls: &[CallRow],
+        results: &[(String, i64)],
+    ) -> Result<()> {
+        if !new_calls.is_empty() {
+            let ids: Vec<&str> = new_calls.iter().map(|c| c.0.as_str()).collect();
+            let names: Vec<&str> = new_calls.iter().map(|c| c.1.as_str()).collect();
+            let seqs: Vec<i64> = new_calls.iter().map(|c| c.2).collect();
+            sqlx::query(
+                "INSERT INTO calls (session_id, call_id, tool_name, call_seq) \
+                 SELECT $1, * FROM UNNEST($2::TEXT[], $3::TEXT[], $4::BIGINT[])",
+            )
+            .bind(session_id)
+            .bind(ids)
+            .bind(names)
+            .bind(seqs)
+            .execute(&mut *self.tx)
+            .await
+            .map_err(Error::from_sqlx)?;
+        }
+        if !results.is_empty() {
+            let ids: Vec<&str> = results.iter().map(|r| r.0.as_str()).collect();
+            let seqs: Vec<i64> = results.iter().map(|r| r.1).collect();
+            sqlx::query(
+                "UPDATE calls SET result_seq = r.seq FROM UNNEST($2::TEXT[], $3::BIGINT[]) AS r(call_id, seq) \
+                 WHERE calls.session_id = $1 AND calls.call_id = r.call_id",
+            )
+            .bind(session_id)
+            .bind(ids)
+            .bind(seqs)
+            .execute(&mut *self.tx)
+            .await
+            .map_err(Error::from_sqlx)?;
+        }
+        Ok(())
+    }
+
+    async fn last_refresh_seq(&mut self, session_id: Uuid) -> Result<i64> {
+        let (seq,): (i64,) = sqlx::query_as(
+            "SELECT COALESCE(MAX(seq), 0)::BIGINT FROM events WHERE session_id = $1 \
+             AND type IN ('prompt_submitted', 'mode_switched')",
+        )
+        .bind(session_id)
+        .fetch_one(&mut *self.tx)
+        .await
+        .map_err(Error::from_sqlx)?;
+        Ok(seq)
+    }
+
+    async fn clear_derived(&mut self, session_id: Uuid) -> Result<()> {
+        for sql in [
+            "DELETE FROM session_views WHERE session_id = $1",
+            "DELETE FROM calls WHERE session_id = $1",
+        ] {
+            sqlx::query(sql)
+                .bind(session_id)
+                .execute(&mut *self.tx)
+                .await
+                .map_err(Error::from_sqlx)?;
+        }
+        Ok(())
+    }
+
+    async fn session_ids(&mut self) -> Result<Vec<Uuid>> {
+        let rows: Vec<(Uuid,)> =
+            sqlx::query_as("SELECT DISTINCT session_id FROM events ORDER BY session_id")
+                .fetch_all(&mut *self.tx)
+                .await
+                .map_err(Error::from_sqlx)?;
+        Ok(rows.into_iter().map(|(s,)| s).collect())
     }
 
     async fn commit(self) -> Result<()> {

@@ -17,7 +17,7 @@ use sqlx::sqlite::{
 use sqlx::{QueryBuilder, Sqlite, Transaction};
 use uuid::Uuid;
 
-use super::{LogTx, PendingRow, StoreOptions};
+use super::{CallRow, LogTx, PendingRow, StoreOptions, ViewRow};
 use crate::error::{Error, Result};
 use crate::event::{EventBody, StoredEvent};
 
@@ -94,6 +94,12 @@ impl SqliteBackend {
             .begin_with("BEGIN IMMEDIATE")
             .await
             .map_err(Error::from_sqlx)?;
+        Ok(SqliteTx(tx))
+    }
+
+    /// A read transaction: one snapshot for the view, window and tail.
+    pub(crate) async fn begin_read(&self) -> Result<SqliteTx> {
+        let tx = self.pool.begin().await.map_err(Error::from_sqlx)?;
         Ok(SqliteTx(tx))
     }
 
@@ -211,6 +217,155 @@ impl LogTx for SqliteTx {
                 .map_err(Error::from_sqlx)?;
         }
         Ok(())
+    }
+
+    async fn load_view(&mut self, session_id: Uuid) -> Result<Option<ViewRow>> {
+        type R = (
+            i64,
+            String,
+            i64,
+            Option<i64>,
+            Option<String>,
+            String,
+            String,
+            String,
+        );
+        let row: Option<R> = sqlx::query_as(
+            "SELECT refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active \
+             FROM session_views WHERE session_id = ?",
+        )
+        .bind(session_id.to_string())
+        .fetch_optional(&mut *self.0)
+        .await
+        .map_err(Error::from_sqlx)?;
+        Ok(row.map(|r| ViewRow {
+            session_id,
+            refresh_seq: r.0,
+            mode: r.1,
+            window_start: r.2,
+            compaction_seq: r.3,
+            summary: r.4,
+            catalogs: r.5,
+            evidence: r.6,
+            active: r.7,
+        }))
+    }
+
+    async fn write_view(&mut self, v: &ViewRow) -> Result<()> {
+        sqlx::query(
+            "INSERT OR REPLACE INTO session_views \
+             (session_id, refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(v.session_id.to_string())
+        .bind(v.refresh_seq)
+        .bind(&v.mode)
+        .bind(v.window_start)
+        .bind(v.compaction_seq)
+        .bind(&v.summary)
+        .bind(&v.catalogs)
+        .bind(&v.evidence)
+        .bind(&v.active)
+        .execute(&mut *self.0)
+        .await
+        .map_err(Error::from_sqlx)?;
+        Ok(())
+    }
+
+    async fn calls(&mut self, session_id: Uuid, call_ids: &[String]) -> Result<Vec<CallRow>> {
+        let mut out = Vec::new();
+        for chunk in call_ids.chunks(INSERT_CHUNK) {
+            let mut q = QueryBuilder::<Sqlite>::new(
+                "SELECT call_id, tool_name, call_seq, result_seq FROM calls WHERE session_id = ",
+            );
+            q.push_bind(session_id.to_string())
+                .push(" AND call_id IN (");
+            let mut sep = q.separated(", ");
+            for id in chunk {
+                sep.push_bind(id.as_str());
+            }
+            q.push(")");
+            let rows: Vec<CallRow> = q
+                .build_query_as()
+                .fetch_all(&mut *self.0)
+                .await
+                .map_err(Error::from_sqlx)?;
+            out.extend(rows);
+        }
+        Ok(out)
+    }
+
+    async fn record_calls(
+        &mut self,
+        session_id: Uuid,
+        new_calls: &[CallRow],
+        results: &[(String, i64)],
+    ) -> Result<()> {
+        for chunk in new_calls.chunks(INSERT_CHUNK) {
+            let mut q = QueryBuilder::<Sqlite>::new(
+                "INSERT INTO calls (session_id, call_id, tool_name, call_seq, result_seq) ",
+            );
+            q.push_values(chunk, |mut b, c| {
+                b.push_bind(session_id.to_string())
+                    .push_bind(c.0.as_str())
+                    .push_bind(c.1.as_str())
+                    .push_bind(c.2)
+                    .push_bind(c.3);
+            });
+            q.build()
+                .execute(&mut *self.0)
+                .await
+                .map_err(Error::from_sqlx)?;
+        }
+        for (call_id, seq) in results {
+            sqlx::query("UPDATE calls SET result_seq = ? WHERE session_id = ? AND call_id = ?")
+                .bind(seq)
+                .bind(session_id.to_string())
+                .bind(call_id)
+                .execute(&mut *self.0)
+                .await
+                .map_err(Error::from_sqlx)?;
+        }
+        Ok(())
+    }
+
+    async fn last_refresh_seq(&mut self, session_id: Uuid) -> Result<i64> {
+        let (seq,): (i64,) = sqlx::query_as(
+            "SELECT COALESCE(MAX(seq), 0) FROM events WHERE session_id = ? \
+             AND type IN ('prompt_submitted', 'mode_switched')",
+        )
+        .bind(session_id.to_string())
+        .fetch_one(&mut *self.0)
+        .await
+        .map_err(Error::from_sqlx)?;
+        Ok(seq)
+    }
+
+    async fn clear_derived(&mut self, session_id: Uuid) -> Result<()> {
+        for sql in [
+            "DELETE FROM session_views WHERE session_id = ?",
+            "DELETE FROM calls WHERE session_id = ?",
+        ] {
+            sqlx::query(sql)
+                .bind(session_id.to_string())
+                .execute(&mut *self.0)
+                .await
+                .map_err(Error::from_sqlx)?;
+        }
+        Ok(())
+    }
+
+    async fn session_ids(&mut self) -> Result<Vec<Uuid>> {
+        let rows: Vec<(String,)> =
+            sqlx::query_as("SELECT DISTINCT session_id FROM events ORDER BY session_id")
+                .fetch_all(&mut *self.0)
+                .await
+                .map_err(Error::from_sqlx)?;
+        rows.into_iter()
+            .map(|(s,)| {
+                Uuid::parse_str(&s).map_err(|_| Error::Corrupt(format!("bad session id {s:?}")))
+            })
+            .collect()
     }
 
     async fn commit(self) -> Result<()> {
