@@ -88,6 +88,26 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Print what a restarting sidecar needs: mode, catalog, activation set,
+    /// context start, summary, latest seq.
+    Recover {
+        /// The session's UUID.
+        session: String,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Recompute materialized views (and the calls index) from the log.
+    Rebuild {
+        /// Only this session (all sessions without it).
+        session: Option<String>,
+    },
+    /// Recompute views from the log and compare with the stored ones; exit 5
+    /// naming the first difference on drift.
+    Verify {
+        /// Only this session (all sessions without it).
+        session: Option<String>,
+    },
     /// Print a session's events in seq order.
     History {
         /// The session's UUID.
@@ -124,6 +144,9 @@ pub enum CliError {
     /// The input could not be read.
     #[error("{0}")]
     Io(String),
+    /// `verify` found a view that disagrees with the log.
+    #[error("{0}")]
+    Drift(String),
 }
 
 impl CliError {
@@ -133,6 +156,7 @@ impl CliError {
             CliError::Store(Error::Conflict { .. }) => 3,
             CliError::Store(Error::Unavailable(_) | Error::Database(_) | Error::Corrupt(_)) => 4,
             CliError::Store(Error::BadUrl(_)) => 2,
+            CliError::Drift(_) => 5,
             _ => 1,
         }
     }
@@ -230,6 +254,49 @@ async fn run_on(
             } else {
                 print_activations(&act, out).map_err(io)?;
             }
+        }
+        Command::Recover { session, json } => {
+            let r = store.recover(parse_session(&session)?).await?;
+            if json {
+                writeln!(out, "{}", serde_json::to_string(&r).unwrap_or_default()).map_err(io)?;
+            } else {
+                print_recovery(&r, out).map_err(io)?;
+            }
+        }
+        Command::Rebuild { session } => {
+            let sessions = target_sessions(store, session.as_deref()).await?;
+            let started = std::time::Instant::now();
+            let bar = progress_bar(sessions.len());
+            for s in &sessions {
+                store.rebuild(*s).await?;
+                bar.inc(1);
+            }
+            bar.finish_and_clear();
+            writeln!(
+                out,
+                "rebuilt the views of {} sessions in {:.2} s",
+                sessions.len(),
+                started.elapsed().as_secs_f64()
+            )
+            .map_err(io)?;
+        }
+        Command::Verify { session } => {
+            let sessions = target_sessions(store, session.as_deref()).await?;
+            let bar = progress_bar(sessions.len());
+            for s in &sessions {
+                if let Some(difference) = store.verify(*s).await? {
+                    bar.finish_and_clear();
+                    return Err(CliError::Drift(difference));
+                }
+                bar.inc(1);
+            }
+            bar.finish_and_clear();
+            writeln!(
+                out,
+                "the views of {} sessions agree with the log",
+                sessions.len()
+            )
+            .map_err(io)?;
         }
         Command::History {
             session,
@@ -556,4 +623,54 @@ fn print_activations(act: &Activations, out: &mut dyn Write) -> std::io::Result<
         writeln!(out, "{:<width$}  {}", t.name, t.evidence_seq)?;
     }
     Ok(())
+}
+
+/// The sessions a `rebuild`/`verify` covers: one (which must exist) or all.
+async fn target_sessions(store: &Store, session: Option<&str>) -> Result<Vec<Uuid>, CliError> {
+    match session {
+        Some(s) => {
+            let id = parse_session(s)?;
+            if store.head_seq(id).await? == 0 {
+                return Err(Error::SessionNotFound(id).into());
+            }
+            Ok(vec![id])
+        }
+        None => Ok(store.sessions().await?),
+    }
+}
+
+/// A progress bar on a terminal; hidden otherwise (the summary line says
+/// what was done).
+fn progress_bar(len: usize) -> indicatif::ProgressBar {
+    use std::io::IsTerminal;
+    if !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(len as u64);
+    if let Ok(style) =
+        indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} sessions, {eta} left")
+    {
+        bar.set_style(style);
+    }
+    bar
+}
+
+fn print_recovery(r: &crate::store::Recovery, out: &mut dyn Write) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "session {} at seq {}, mode {}",
+        r.session_id, r.latest_seq, r.mode
+    )?;
+    writeln!(out, "catalog: [{}]", r.catalog.join(", "))?;
+    let tools: Vec<String> = r
+        .tools
+        .iter()
+        .map(|t| format!("{} (seq {})", t.name, t.evidence_seq))
+        .collect();
+    writeln!(out, "active: [{}]", tools.join(", "))?;
+    writeln!(out, "context starts at seq {}", r.context_start_seq)?;
+    match (&r.summary, r.compaction_seq) {
+        (Some(s), Some(seq)) => writeln!(out, "summary (compaction at seq {seq}): {}", clip(s, 60)),
+        _ => writeln!(out, "summary: (none)"),
+    }
 }

@@ -22,5 +22,5 @@ pub mod validate;
 
 pub use error::{Error, Result, Rule, ValidationError};
 pub use event::{EventBody, NewEvent, StoredEvent, ToolStatus};
-pub use projector::{Activation, Activations, Context, ContextRow, SessionState};
-pub use store::{AppendOutcome, Appended, BackendKind, Store, StoreOptions};
+pub use projector::{Activation, Activations, Context, ContextRow, SessionState, View};
+pub use store::{AppendOutcome, Appended, BackendKind, Recovery, Store, StoreOptions};

@@ -19,7 +19,7 @@ use crate::event::{EventBody, StoredEvent};
 pub(crate) struct CallInfo {
     pub(crate) tool_name: String,
     pub(crate) seq: i64,
-    pub(crate) has_result: bool,
+    pub(crate) result_seq: Option<i64>,
 }
 
 /// A session folded up to [`SessionState::seq`].
@@ -189,14 +189,14 @@ impl SessionState {
                     CallInfo {
                         tool_name: tool_name.clone(),
                         seq: event.seq,
-                        has_result: false,
+                        result_seq: None,
                     },
                 );
                 self.rows.push(event.clone());
             }
             EventBody::ToolResult { call_id, .. } => {
                 if let Some(call) = self.calls.get_mut(call_id) {
-                    call.has_result = true;
+                    call.result_seq = Some(event.seq);
                 }
                 self.rows.push(event.clone());
             }

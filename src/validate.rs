@@ -141,7 +141,7 @@ pub fn check_event(state: &SessionState, body: &EventBody) -> Result<(), Validat
                     "`tool_result` for `call_id` {call_id:?}, which has no earlier `tool_call`"
                 ),
             )),
-            Some(call) if call.has_result => Err(ValidationError::new(
+            Some(call) if call.result_seq.is_some() => Err(ValidationError::new(
                 Rule::DuplicateResult,
                 Some("call_id"),
                 format!("the call {call_id:?} already has a result"),

@@ -79,6 +79,27 @@ pub struct AppendOutcome {
     pub replayed: bool,
 }
 
+/// The restart-recovery state of a session (see [`Store::recover`]).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Recovery {
+    /// The session.
+    pub session_id: Uuid,
+    /// The latest seq: append after it.
+    pub latest_seq: i64,
+    /// The current mode.
+    pub mode: String,
+    /// The current mode's deferred catalog.
+    pub catalog: Vec<String>,
+    /// The deferred activation set, with evidence seqs.
+    pub tools: Vec<Activation>,
+    /// The first seq of the effective context.
+    pub context_start_seq: i64,
+    /// The seq of the latest compaction, if any.
+    pub compaction_seq: Option<i64>,
+    /// Its summary.
+    pub summary: Option<String>,
+}
+
 /// A row ready to insert.
 #[derive(Clone, Debug)]
 pub(crate) struct PendingRow {
@@ -404,6 +425,58 @@ impl Store {
         Ok(self.state(session_id, at_seq).await?.activations())
     }
 
+    /// What a restarting sidecar needs (§8): current mode and catalog, the
+    /// activation set with evidence, where the effective context starts, the
+    /// summary and the latest seq. Reads the view, the window and the events
+    /// after the view; never the whole history.
+    pub async fn recover(&self, session_id: Uuid) -> Result<Recovery> {
+        let state = self.state(session_id, None).await?;
+        Ok(Recovery {
+            session_id,
+            latest_seq: state.seq,
+            mode: state.mode.clone(),
+            catalog: state.current_catalog().to_vec(),
+            tools: state.activation_set(),
+            context_start_seq: state.window_start,
+            compaction_seq: state.compaction.as_ref().map(|(_, s)| *s),
+            summary: state.compaction.as_ref().map(|(s, _)| s.clone()),
+        })
+    }
+
+    /// Every session in the store, in id order.
+    pub async fn sessions(&self) -> Result<Vec<Uuid>> {
+        match &self.backend {
+            Backend::Sqlite(b) => b.begin_read().await?.session_ids().await,
+            Backend::Postgres(b) => b.begin_read().await?.session_ids().await,
+        }
+    }
+
+    /// Recomputes one session's view and calls index from the log and
+    /// compares them with the stored ones: `Ok(None)` when they agree, else
+    /// the first difference as a sentence.
+    pub async fn verify(&self, session_id: Uuid) -> Result<Option<String>> {
+        match &self.backend {
+            Backend::Sqlite(b) => verify_in(b.begin_read().await?, session_id).await,
+            Backend::Postgres(b) => verify_in(b.begin_read().await?, session_id).await,
+        }
+    }
+
+    /// Recomputes one session's view and calls index from the log, under
+    /// the write lock, replacing what was stored.
+    pub async fn rebuild(&self, session_id: Uuid) -> Result<()> {
+        self.forget(session_id);
+        match &self.backend {
+            Backend::Sqlite(b) => rebuild_in(b.begin_write().await?, session_id).await,
+            Backend::Postgres(b) => rebuild_in(b.begin_write().await?, session_id).await,
+        }
+    }
+
+    fn forget(&self, session_id: Uuid) {
+        if let Ok(mut m) = self.states.lock() {
+            m.remove(&session_id);
+        }
+    }
+
     /// Closes the connection pool, waiting for connections to finish.
     pub async fn close(&self) {
         match &self.backend {
@@ -676,7 +749,7 @@ async fn prefetch_calls<T: LogTx>(
             crate::projector::CallInfo {
                 tool_name,
                 seq,
-                has_result: result_seq.is_some(),
+                result_seq,
             },
         );
     }
@@ -719,12 +792,107 @@ async fn read_state<T: LogTx>(
     catch_up(&mut tx, state, target).await
 }
 
-/// The view a full fold gives at the latest refresh point (None without one).
-async fn view_from_log<T: LogTx>(tx: &mut T, session_id: Uuid) -> Result<Option<View>> {
-    let refresh = tx.last_refresh_seq(session_id).await?;
-    if refresh == 0 {
-        return Ok(None);
+/// The full fold of a session: its view at the latest refresh point and its
+/// state at the head (whose call index is complete).
+async fn fold_log<T: LogTx>(tx: &mut T, session_id: Uuid) -> Result<(Option<View>, SessionState)> {
+    let head = tx.head_seq(session_id).await?;
+    if head == 0 {
+        return Err(Error::SessionNotFound(session_id));
     }
+    let refresh = tx.last_refresh_seq(session_id).await?;
     let state = catch_up(tx, SessionState::empty(session_id), refresh).await?;
-    Ok(Some(state.view()))
+    let view = (refresh > 0).then(|| state.view());
+    let state = catch_up(tx, state, head).await?;
+    Ok((view, state))
+}
+
+fn call_rows(state: &SessionState) -> Vec<CallRow> {
+    let mut rows: Vec<CallRow> = state
+        .calls
+        .iter()
+        .map(|(id, c)| (id.clone(), c.tool_name.clone(), c.seq, c.result_seq))
+        .collect();
+    rows.sort_by_key(|r| r.2);
+    rows
+}
+
+async fn verify_in<T: LogTx>(mut tx: T, session_id: Uuid) -> Result<Option<String>> {
+    let (expected, state) = fold_log(&mut tx, session_id).await?;
+    let stored = match tx.load_view(session_id).await? {
+        Some(row) => Some(row.to_view()?),
+        None => None,
+    };
+    let difference = match (&stored, &expected) {
+        (None, None) => None,
+        (Some(s), None) => Some(format!(
+            "session {session_id}: a view is stored at seq {} but the log has no refresh point",
+            s.refresh_seq
+        )),
+        (None, Some(e)) => Some(format!(
+            "session {session_id}: no view is stored, but the log's latest refresh point is seq {}",
+            e.refresh_seq
+        )),
+        (Some(s), Some(e)) => first_view_difference(s, e)
+            .map(|d| format!("session {session_id}: the stored view differs from the log: {d}")),
+    };
+    if difference.is_some() {
+        return Ok(difference);
+    }
+    let expected_calls = call_rows(&state);
+    let ids: Vec<String> = expected_calls.iter().map(|c| c.0.clone()).collect();
+    let mut stored_calls = if ids.is_empty() {
+        Vec::new()
+    } else {
+        tx.calls(session_id, &ids).await?
+    };
+    stored_calls.sort_by_key(|r| r.2);
+    for (e, s) in expected_calls
+        .iter()
+        .zip(
+            stored_calls
+                .iter()
+                .chain(std::iter::repeat(&(String::new(), String::new(), 0, None))),
+        )
+    {
+        if e != s {
+            return Ok(Some(format!(
+                "session {session_id}: the calls index differs from the log for call {:?} (log: tool {:?}, call seq {}, result seq {:?})",
+                e.0, e.1, e.2, e.3
+            )));
+        }
+    }
+    Ok(None)
+}
+
+fn first_view_difference(stored: &View, expected: &View) -> Option<String> {
+    macro_rules! cmp {
+        ($field:ident) => {
+            if stored.$field != expected.$field {
+                return Some(format!(
+                    "`{}` is {:?} in the view but {:?} from the log",
+                    stringify!($field),
+                    stored.$field,
+                    expected.$field
+                ));
+            }
+        };
+    }
+    cmp!(refresh_seq);
+    cmp!(mode);
+    cmp!(window_start);
+    cmp!(compaction);
+    cmp!(catalogs);
+    cmp!(evidence);
+    cmp!(active);
+    None
+}
+
+async fn rebuild_in<T: LogTx>(mut tx: T, session_id: Uuid) -> Result<()> {
+    let (view, state) = fold_log(&mut tx, session_id).await?;
+    tx.clear_derived(session_id).await?;
+    tx.record_calls(session_id, &call_rows(&state), &[]).await?;
+    if let Some(view) = &view {
+        tx.write_view(&ViewRow::from_view(view)).await?;
+    }
+    tx.commit().await
 }

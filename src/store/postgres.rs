@@ -288,14 +288,16 @@ impl LogTx for PgTx {
             let ids: Vec<&str> = new_calls.iter().map(|c| c.0.as_str()).collect();
             let names: Vec<&str> = new_calls.iter().map(|c| c.1.as_str()).collect();
             let seqs: Vec<i64> = new_calls.iter().map(|c| c.2).collect();
+            let result_seqs: Vec<Option<i64>> = new_calls.iter().map(|c| c.3).collect();
             sqlx::query(
-                "INSERT INTO calls (session_id, call_id, tool_name, call_seq) \
-                 SELECT $1, * FROM UNNEST($2::TEXT[], $3::TEXT[], $4::BIGINT[])",
+                "INSERT INTO calls (session_id, call_id, tool_name, call_seq, result_seq) \
+                 SELECT $1, * FROM UNNEST($2::TEXT[], $3::TEXT[], $4::BIGINT[], $5::BIGINT[])",
             )
             .bind(session_id)
             .bind(ids)
             .bind(names)
             .bind(seqs)
+            .bind(result_seqs)
             .execute(&mut *self.tx)
             .await
             .map_err(Error::from_sqlx)?;
