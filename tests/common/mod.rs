@@ -11,6 +11,8 @@
 
 #![allow(dead_code)]
 
+pub mod gen;
+
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
