@@ -471,6 +471,15 @@ impl Store {
         }
     }
 
+    /// Drops every cached session state, so the next call reads the
+    /// materialized view as a freshly started process would (benchmarks and
+    /// tests use it to measure the cold path).
+    pub fn clear_cache(&self) {
+        if let Ok(mut m) = self.states.lock() {
+            m.clear();
+        }
+    }
+
     fn forget(&self, session_id: Uuid) {
         if let Ok(mut m) = self.states.lock() {
             m.remove(&session_id);
