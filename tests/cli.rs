@@ -448,3 +448,104 @@ fn unreachable_storage_exits_4_within_seconds() {
     let out = run("/nonexistent-dir/x/store.db", &["activations", S], None);
     assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
 }
+
+fn tamper(url: &str, sql: &str) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        if url.starts_with("postgres") {
+            let pool = sqlx::PgPool::connect(url).await.unwrap();
+            sqlx::query(sql).execute(&pool).await.unwrap();
+        } else {
+            let pool = sqlx::SqlitePool::connect(url).await.unwrap();
+            sqlx::query(sql).execute(&pool).await.unwrap();
+        }
+    });
+}
+
+#[test]
+fn recover_verify_and_rebuild_through_the_binary() {
+    for (backend, db) in backends() {
+        let log = format!("{EXAMPLES}/compaction_drops_evidence.jsonl");
+        assert!(run(&db.url, &["import", &log], None).status.success());
+        let log = format!("{EXAMPLES}/mode_switch_and_back.jsonl");
+        assert!(run(&db.url, &["import", &log], None).status.success());
+        let session = "e05e0748-e772-568b-8c6d-d1e2feee48b2";
+        let out = run(&db.url, &["recover", session, "--json"], None);
+        assert!(out.status.success(), "{backend}: {}", stderr(&out));
+        let r: Value = serde_json::from_str(&stdout(&out)).unwrap();
+        assert_eq!(r["latest_seq"], 10);
+        assert_eq!(r["mode"], "agent");
+        assert_eq!(r["context_start_seq"], 1);
+        assert_eq!(r["summary"], Value::Null);
+        assert_eq!(
+            r["tools"],
+            serde_json::json!([{"name": "notebook_edit", "evidence_seq": 7}, {"name": "web_fetch", "evidence_seq": 7}])
+        );
+        assert_eq!(r["catalog"].as_array().unwrap().len(), 4);
+        let c = run(
+            &db.url,
+            &["recover", "94513509-d834-5173-bbea-1516f5f4b7a3", "--json"],
+            None,
+        );
+        let c: Value = serde_json::from_str(&stdout(&c)).unwrap();
+        assert_eq!(c["context_start_seq"], 7);
+        assert_eq!(c["summary"], "user searched for web_fetch earlier");
+        assert_eq!(c["tools"], serde_json::json!([]));
+
+        let out = run(&db.url, &["verify"], None);
+        assert!(out.status.success(), "{backend}: {}", stderr(&out));
+        assert!(
+            stdout(&out).contains("2 sessions agree"),
+            "{}",
+            stdout(&out)
+        );
+
+        // Drift: the view says another mode. verify names it and exits 5.
+        tamper(&db.url, "UPDATE session_views SET mode = 'chat'");
+        let out = run(&db.url, &["verify", session], None);
+        assert_eq!(out.status.code(), Some(5), "{backend}");
+        assert!(
+            stderr(&out).contains("`mode` is \"chat\""),
+            "{backend}: {}",
+            stderr(&out)
+        );
+        // rebuild repairs it.
+        let out = run(&db.url, &["rebuild"], None);
+        assert!(out.status.success(), "{backend}: {}", stderr(&out));
+        assert!(
+            stdout(&out).starts_with("rebuilt the views of 2 sessions"),
+            "{}",
+            stdout(&out)
+        );
+        assert!(
+            run(&db.url, &["verify"], None).status.success(),
+            "{backend}"
+        );
+        // A broken calls index is drift too.
+        tamper(&db.url, "UPDATE calls SET result_seq = NULL");
+        let out = run(&db.url, &["verify"], None);
+        assert_eq!(out.status.code(), Some(5), "{backend}");
+        assert!(
+            stderr(&out).contains("calls index"),
+            "{backend}: {}",
+            stderr(&out)
+        );
+        assert!(run(&db.url, &["rebuild", session], None).status.success());
+        assert!(run(
+            &db.url,
+            &["rebuild", "94513509-d834-5173-bbea-1516f5f4b7a3"],
+            None
+        )
+        .status
+        .success());
+        assert!(
+            run(&db.url, &["verify"], None).status.success(),
+            "{backend}"
+        );
+        let out = run(&db.url, &["recover", S, "--json"], None);
+        assert_eq!(out.status.code(), Some(1), "{backend}: unknown session");
+    }
+}
