@@ -1,8 +1,8 @@
 //! The Store API: append, history, context and activations, on SQLite or
 //! PostgreSQL behind one interface.
 //!
-//! The append path is written once ([`append_in`]) against the small
-//! [`LogTx`] trait that each backend implements for its own transaction
+//! The append path is written once (`append_in`) against the small
+//! `LogTx` trait that each backend implements for its own transaction
 //! type; SQL lives in the backend modules. Each append:
 //!
 //! 1. takes the write lock up front (SQLite `BEGIN IMMEDIATE`, PostgreSQL the
