@@ -3,7 +3,7 @@
 //! (the SEMANTICS §9 shapes) and a readable table otherwise; errors are
 //! returned as [`CliError`] and mapped to exit codes by `main`.
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
 
@@ -14,15 +14,11 @@ use uuid::Uuid;
 use crate::error::{Error, Rule, ValidationError};
 use crate::event::{parse_line, EventBody, LineKind, NewEvent, ParsedLine};
 use crate::projector::{Activations, Context};
-use crate::store::{Store, StoreOptions};
+use crate::store::{RetryPolicy, Store, StoreOptions};
 use crate::validate::DEFAULT_MAX_EVENT_BYTES;
 
 /// Lines of one session that `import` appends as one batch.
 const IMPORT_BATCH: usize = 500;
-
-/// How often `import` re-reads a session's head after a conflict with a
-/// concurrent writer before it gives up.
-const IMPORT_CONFLICT_RETRIES: usize = 5;
 
 /// Event-sourced session store for AI agent sidecars.
 #[derive(Debug, Parser)]
@@ -108,6 +104,18 @@ pub enum Command {
         /// Only this session (all sessions without it).
         session: Option<String>,
     },
+    /// Print the global feed of every session's events in position order.
+    Tail {
+        /// Start at this position (1, the beginning, by default).
+        #[arg(long, default_value_t = 1)]
+        from_position: i64,
+        /// Keep waiting for new events (stop with Ctrl-C).
+        #[arg(long)]
+        follow: bool,
+        /// Print JSON lines, one stored event each.
+        #[arg(long)]
+        json: bool,
+    },
     /// Print a session's events in seq order.
     History {
         /// The session's UUID.
@@ -153,12 +161,20 @@ impl CliError {
     /// The exit code of SEMANTICS §9.
     pub fn exit_code(&self) -> i32 {
         match self {
-            CliError::Store(Error::Conflict { .. }) => 3,
-            CliError::Store(Error::Unavailable(_) | Error::Database(_) | Error::Corrupt(_)) => 4,
-            CliError::Store(Error::BadUrl(_)) => 2,
+            CliError::Store(e) => store_exit_code(e),
             CliError::Drift(_) => 5,
             _ => 1,
         }
+    }
+}
+
+fn store_exit_code(e: &Error) -> i32 {
+    match e {
+        Error::Conflict { .. } => 3,
+        Error::RetriesExhausted { last, .. } => store_exit_code(last),
+        Error::Unavailable(_) | Error::Database(_) | Error::Corrupt(_) => 4,
+        Error::BadUrl(_) => 2,
+        Error::Invalid(_) | Error::SessionNotFound(_) | Error::SeqOutOfRange { .. } => 1,
     }
 }
 
@@ -298,6 +314,49 @@ async fn run_on(
             )
             .map_err(io)?;
         }
+        Command::Tail {
+            from_position,
+            follow,
+            json,
+        } => {
+            let mut after = from_position.max(1) - 1;
+            if !json {
+                writeln!(
+                    out,
+                    "{:>8}  {:<36}  {:>6}  {:<20}  DETAIL",
+                    "POSITION", "SESSION", "SEQ", "TYPE"
+                )
+                .map_err(io)?;
+            }
+            loop {
+                let page = store.feed(after, 1_000).await?;
+                for e in &page {
+                    if json {
+                        writeln!(out, "{}", serde_json::to_string(e).unwrap_or_default())
+                            .map_err(io)?;
+                    } else {
+                        writeln!(
+                            out,
+                            "{:>8}  {:<36}  {:>6}  {:<20}  {}",
+                            e.position,
+                            e.session_id,
+                            e.seq,
+                            e.body.type_name(),
+                            detail(&e.body)
+                        )
+                        .map_err(io)?;
+                    }
+                }
+                out.flush().map_err(io)?;
+                match page.last() {
+                    Some(last) => after = last.position,
+                    None if follow => {
+                        tokio::time::sleep(std::time::Duration::from_millis(100)).await
+                    }
+                    None => break,
+                }
+            }
+        }
         Command::History {
             session,
             after_seq,
@@ -403,7 +462,7 @@ pub async fn import(
     max_bytes: usize,
 ) -> Result<ImportSummary, CliError> {
     let mut summary = ImportSummary::default();
-    let mut heads: HashMap<Uuid, i64> = HashMap::new();
+    let mut sessions: HashSet<Uuid> = HashSet::new();
     let mut batch: Vec<(usize, NewEvent)> = Vec::new();
     let mut batch_session = None;
     for (n, text) in lines {
@@ -416,7 +475,7 @@ pub async fn import(
                         store,
                         s,
                         std::mem::take(&mut batch),
-                        &mut heads,
+                        &mut sessions,
                         &mut summary,
                     )
                     .await?;
@@ -431,7 +490,7 @@ pub async fn import(
                     store,
                     s,
                     std::mem::take(&mut batch),
-                    &mut heads,
+                    &mut sessions,
                     &mut summary,
                 )
                 .await?;
@@ -441,9 +500,9 @@ pub async fn import(
         batch.push((*n, event));
     }
     if let Some(s) = batch_session {
-        flush(store, s, batch, &mut heads, &mut summary).await?;
+        flush(store, s, batch, &mut sessions, &mut summary).await?;
     }
-    summary.sessions = heads.len();
+    summary.sessions = sessions.len();
     info!(
         written = summary.written,
         replayed = summary.replayed,
@@ -459,17 +518,17 @@ async fn flush(
     store: &Store,
     session: Uuid,
     batch: Vec<(usize, NewEvent)>,
-    heads: &mut HashMap<Uuid, i64>,
+    sessions: &mut HashSet<Uuid>,
     summary: &mut ImportSummary,
 ) -> Result<(), CliError> {
     if batch.is_empty() {
         return Ok(());
     }
-    match append_at_head(store, session, &batch, heads, summary).await {
+    match append_at_head(store, session, &batch, sessions, summary).await {
         Ok(()) => Ok(()),
         Err(Error::Invalid(v)) if v.rule == Rule::PartlyStoredBatch => {
             for one in batch.chunks(1) {
-                append_at_head(store, session, one, heads, summary)
+                append_at_head(store, session, one, sessions, summary)
                     .await
                     .map_err(|e| at_line(e, &[one[0].0]))?;
             }
@@ -478,7 +537,14 @@ async fn flush(
         Err(Error::Invalid(v)) => {
             let bad = v.index.unwrap_or(0).min(batch.len() - 1);
             if bad > 0 {
-                Box::pin(flush(store, session, batch[..bad].to_vec(), heads, summary)).await?;
+                Box::pin(flush(
+                    store,
+                    session,
+                    batch[..bad].to_vec(),
+                    sessions,
+                    summary,
+                ))
+                .await?;
             }
             let lines: Vec<usize> = batch.iter().map(|(n, _)| *n).collect();
             let mut v = v;
@@ -493,38 +559,20 @@ async fn append_at_head(
     store: &Store,
     session: Uuid,
     batch: &[(usize, NewEvent)],
-    heads: &mut HashMap<Uuid, i64>,
+    sessions: &mut HashSet<Uuid>,
     summary: &mut ImportSummary,
 ) -> Result<(), Error> {
     let events: Vec<NewEvent> = batch.iter().map(|(_, e)| e.clone()).collect();
-    let mut tries = 0;
-    loop {
-        let head = match heads.get(&session) {
-            Some(h) => *h,
-            None => store.head_seq(session).await?,
-        };
-        match store.append(session, head, events.clone()).await {
-            Ok(outcome) => {
-                if outcome.replayed {
-                    summary.replayed += outcome.events.len();
-                    heads.remove(&session);
-                    heads.insert(session, store.head_seq(session).await?);
-                } else {
-                    summary.written += outcome.events.len();
-                    heads.insert(
-                        session,
-                        outcome.events.last().map(|a| a.seq).unwrap_or(head),
-                    );
-                }
-                return Ok(());
-            }
-            Err(Error::Conflict { current, .. }) if tries < IMPORT_CONFLICT_RETRIES => {
-                tries += 1;
-                heads.insert(session, current);
-            }
-            Err(e) => return Err(e),
-        }
+    let outcome = store
+        .append_at_head(session, events, &RetryPolicy::default())
+        .await?;
+    sessions.insert(session);
+    if outcome.replayed {
+        summary.replayed += outcome.events.len();
+    } else {
+        summary.written += outcome.events.len();
     }
+    Ok(())
 }
 
 fn clip(s: &str, n: usize) -> String {

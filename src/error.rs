@@ -186,6 +186,17 @@ pub enum Error {
     /// The stored log holds something the store cannot read back.
     #[error("corrupt log: {0}")]
     Corrupt(String),
+    /// An append kept conflicting with other writers (or finding the
+    /// storage unavailable) until the retry bound.
+    #[error("gave up appending to session {session_id} after {attempts} attempts: {last}")]
+    RetriesExhausted {
+        /// The session.
+        session_id: Uuid,
+        /// How many appends were tried.
+        attempts: u32,
+        /// The last failure.
+        last: Box<Error>,
+    },
 }
 
 impl Error {
@@ -214,6 +225,14 @@ impl Error {
             }
             _ => Error::Database(e.to_string()),
         }
+    }
+}
+
+impl Error {
+    /// Whether retrying the same append may succeed: a conflict (re-read the
+    /// head) or storage that is unavailable for now.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Error::Conflict { .. } | Error::Unavailable(_))
     }
 }
 

@@ -58,6 +58,27 @@ impl Default for StoreOptions {
     }
 }
 
+/// How [`Store::append_at_head`] retries.
+#[derive(Clone, Debug)]
+pub struct RetryPolicy {
+    /// Appends tried before giving up (at least 1).
+    pub max_attempts: u32,
+    /// The first backoff; it doubles each retry, with jitter.
+    pub initial_backoff: std::time::Duration,
+    /// The longest backoff.
+    pub max_backoff: std::time::Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            max_attempts: 20,
+            initial_backoff: std::time::Duration::from_millis(5),
+            max_backoff: std::time::Duration::from_millis(500),
+        }
+    }
+}
+
 /// What one appended event was given by the store.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct Appended {
@@ -356,6 +377,69 @@ impl Store {
             self.cache_state(state);
         }
         Ok(outcome)
+    }
+
+    /// Appends `events` at the session's current head, whatever it is:
+    /// on a conflict it re-reads the head and tries again (each try
+    /// validates the batch against the session as it then stands), and on
+    /// unavailable storage it waits and tries again, with exponential
+    /// backoff and jitter, up to `policy.max_attempts`; then
+    /// [`Error::RetriesExhausted`]. Give the events ids: a retry after a lost
+    /// reply then answers idempotently instead of appending twice.
+    pub async fn append_at_head(
+        &self,
+        session_id: Uuid,
+        events: Vec<NewEvent>,
+        policy: &RetryPolicy,
+    ) -> Result<AppendOutcome> {
+        let mut backoff = policy.initial_backoff;
+        let mut attempts = 0;
+        // The cached state's seq is a good first guess; a conflict corrects it.
+        let mut head = self.cached_state(session_id).map(|s| s.seq);
+        loop {
+            attempts += 1;
+            let expected = match head {
+                Some(h) => h,
+                None => match self.head_seq(session_id).await {
+                    Ok(h) => h,
+                    Err(e) if e.is_retryable() && attempts < policy.max_attempts => {
+                        sleep_jittered(&mut backoff, policy).await;
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                },
+            };
+            match self.append(session_id, expected, events.clone()).await {
+                Ok(outcome) => return Ok(outcome),
+                Err(e) if e.is_retryable() && attempts < policy.max_attempts.max(1) => {
+                    head = match &e {
+                        Error::Conflict { current, .. } => Some(*current),
+                        _ => None,
+                    };
+                    debug!(session = %session_id, attempts, cause = %e, "append retried");
+                    sleep_jittered(&mut backoff, policy).await;
+                }
+                Err(e) if e.is_retryable() => {
+                    return Err(Error::RetriesExhausted {
+                        session_id,
+                        attempts,
+                        last: Box::new(e),
+                    })
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// One page of the global feed: events of every session with
+    /// `position > after`, in position order. Paging by position never
+    /// skips an event that commits later (docs/design.md, "Global order").
+    pub async fn feed(&self, after: i64, limit: i64) -> Result<Vec<StoredEvent>> {
+        let limit = limit.clamp(0, 100_000);
+        match &self.backend {
+            Backend::Sqlite(b) => b.feed(after, limit).await,
+            Backend::Postgres(b) => b.feed(after, limit).await,
+        }
     }
 
     fn cached_state(&self, session_id: Uuid) -> Option<SessionState> {
@@ -904,4 +988,12 @@ async fn rebuild_in<T: LogTx>(mut tx: T, session_id: Uuid) -> Result<()> {
         tx.write_view(&ViewRow::from_view(view)).await?;
     }
     tx.commit().await
+}
+
+/// Sleeps for about `backoff` (between half and all of it), then doubles it.
+async fn sleep_jittered(backoff: &mut std::time::Duration, policy: &RetryPolicy) {
+    let nanos = backoff.as_nanos() as u64;
+    let jitter = Uuid::new_v4().as_u64_pair().0 % (nanos / 2 + 1);
+    tokio::time::sleep(std::time::Duration::from_nanos(nanos / 2 + jitter)).await;
+    *backoff = (*backoff * 2).min(policy.max_backoff);
 }

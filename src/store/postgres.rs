@@ -122,6 +122,18 @@ impl PgBackend {
         rows.into_iter().map(decode).collect()
     }
 
+    pub(crate) async fn feed(&self, after: i64, limit: i64) -> Result<Vec<StoredEvent>> {
+        let rows: Vec<Row> = sqlx::query_as(&format!(
+            "SELECT {COLUMNS} FROM events WHERE position > $1 ORDER BY position LIMIT $2"
+        ))
+        .bind(after)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(Error::from_sqlx)?;
+        rows.into_iter().map(decode).collect()
+    }
+
     pub(crate) async fn close(&self) {
         self.pool.close().await;
     }

@@ -125,6 +125,18 @@ impl SqliteBackend {
         rows.into_iter().map(decode).collect()
     }
 
+    pub(crate) async fn feed(&self, after: i64, limit: i64) -> Result<Vec<StoredEvent>> {
+        let rows: Vec<Row> = sqlx::query_as(&format!(
+            "SELECT {COLUMNS} FROM events WHERE position > ? ORDER BY position LIMIT ?"
+        ))
+        .bind(after)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(Error::from_sqlx)?;
+        rows.into_iter().map(decode).collect()
+    }
+
     pub(crate) async fn close(&self) {
         self.pool.close().await;
     }
