@@ -184,8 +184,15 @@ fn parse_session(s: &str) -> Result<Uuid, CliError> {
 
 /// Runs one parsed command line, writing results to `out`.
 pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
+    // A testing hook (documented in docs/multi-instance.md): pause between
+    // commit and reply, so a test can kill the process there.
+    let pause_after_commit = std::env::var("SESSION_STORE_FAULT_PAUSE_AFTER_COMMIT_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map(std::time::Duration::from_millis);
     let options = StoreOptions {
         max_event_bytes: cli.max_event_bytes,
+        fault_pause_after_commit: pause_after_commit,
         ..StoreOptions::default()
     };
     let store = Store::open_with(&cli.database, options).await?;
@@ -319,7 +326,6 @@ async fn run_on(
             follow,
             json,
         } => {
-            let mut after = from_position.max(1) - 1;
             if !json {
                 writeln!(
                     out,
@@ -328,8 +334,18 @@ async fn run_on(
                 )
                 .map_err(io)?;
             }
+            let mut after = from_position.max(1) - 1;
+            let mut subscription = match follow {
+                true => Some(store.subscribe(from_position).await?),
+                false => None,
+            };
             loop {
-                let page = store.feed(after, 1_000).await?;
+                let page = match &mut subscription {
+                    Some(sub) => sub.next_batch().await?,
+                    None => store.feed(after, 1_000).await?,
+                };
+                let Some(last) = page.last() else { break };
+                after = last.position;
                 for e in &page {
                     if json {
                         writeln!(out, "{}", serde_json::to_string(e).unwrap_or_default())
@@ -348,13 +364,6 @@ async fn run_on(
                     }
                 }
                 out.flush().map_err(io)?;
-                match page.last() {
-                    Some(last) => after = last.position,
-                    None if follow => {
-                        tokio::time::sleep(std::time::Duration::from_millis(100)).await
-                    }
-                    None => break,
-                }
             }
         }
         Command::History {

@@ -212,10 +212,14 @@ impl Error {
             sqlx::Error::Database(db) => {
                 let code = db.code().map(|c| c.to_string()).unwrap_or_default();
                 // PostgreSQL classes 08 (connection), 53 (resources), 57P
-                // (shutdown); SQLite BUSY(5)/LOCKED(6)/CANTOPEN(14)/IOERR(10).
+                // (shutdown), 57014 (statement timeout), 55P03 (lock
+                // timeout), 25P03 (idle-in-transaction timeout), 40001/40P01
+                // (serialization, deadlock); SQLite BUSY(5)/LOCKED(6)/
+                // CANTOPEN(14)/IOERR(10). All say "try again".
                 if code.starts_with("08")
                     || code.starts_with("53")
                     || code.starts_with("57P")
+                    || ["57014", "55P03", "25P03", "40001", "40P01"].contains(&code.as_str())
                     || ["5", "6", "10", "14", "517", "261"].contains(&code.as_str())
                 {
                     Error::Unavailable(db.message().to_string())

@@ -23,4 +23,6 @@ pub mod validate;
 pub use error::{Error, Result, Rule, ValidationError};
 pub use event::{EventBody, NewEvent, StoredEvent, ToolStatus};
 pub use projector::{Activation, Activations, Context, ContextRow, SessionState, View};
-pub use store::{AppendOutcome, Appended, BackendKind, Recovery, RetryPolicy, Store, StoreOptions};
+pub use store::{
+    AppendOutcome, Appended, BackendKind, Recovery, RetryPolicy, Store, StoreOptions, Subscription,
+};

@@ -19,6 +19,9 @@
 
 mod postgres;
 mod sqlite;
+mod subscribe;
+
+pub use subscribe::Subscription;
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -47,6 +50,14 @@ pub struct StoreOptions {
     /// Seconds to wait for a connection before saying the storage is
     /// unavailable.
     pub connect_timeout_secs: u64,
+    /// Fault injection for tests: sleep this long after the events are
+    /// written and before the transaction commits (holding the write lock).
+    #[doc(hidden)]
+    pub fault_pause_before_commit: Option<std::time::Duration>,
+    /// Fault injection for tests: sleep this long after the commit and
+    /// before the append returns (a reply that may be lost).
+    #[doc(hidden)]
+    pub fault_pause_after_commit: Option<std::time::Duration>,
 }
 
 impl Default for StoreOptions {
@@ -54,6 +65,8 @@ impl Default for StoreOptions {
         StoreOptions {
             max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
             connect_timeout_secs: 5,
+            fault_pause_before_commit: None,
+            fault_pause_after_commit: None,
         }
     }
 }
@@ -180,6 +193,9 @@ pub(crate) trait LogTx: Send {
     fn clear_derived(&mut self, session_id: Uuid) -> impl Future<Output = Result<()>> + Send;
     /// Every session id in the log, in id order.
     fn session_ids(&mut self) -> impl Future<Output = Result<Vec<Uuid>>> + Send;
+    /// Tells listeners, at commit, that the session reached `seq` (a
+    /// wake-up only: PostgreSQL NOTIFY with "session:seq"; SQLite no-op).
+    fn notify(&mut self, session_id: Uuid, seq: i64) -> impl Future<Output = Result<()>> + Send;
     /// Commits.
     fn commit(self) -> impl Future<Output = Result<()>> + Send;
 }
@@ -405,6 +421,13 @@ impl Store {
                     Err(e) if e.is_retryable() && attempts < policy.max_attempts => {
                         sleep_jittered(&mut backoff, policy).await;
                         continue;
+                    }
+                    Err(e) if e.is_retryable() => {
+                        return Err(Error::RetriesExhausted {
+                            session_id,
+                            attempts,
+                            last: Box::new(e),
+                        })
                     }
                     Err(e) => return Err(e),
                 },
@@ -750,7 +773,14 @@ async fn append_in<T: LogTx>(
     if let Some(view) = &last_view {
         tx.write_view(&ViewRow::from_view(view)).await?;
     }
+    tx.notify(session_id, head + events.len() as i64).await?;
+    if let Some(pause) = options.fault_pause_before_commit {
+        tokio::time::sleep(pause).await;
+    }
     tx.commit().await?;
+    if let Some(pause) = options.fault_pause_after_commit {
+        tokio::time::sleep(pause).await;
+    }
     let appended = rows
         .iter()
         .map(|r| Appended {

@@ -36,6 +36,9 @@ const SESSION_SETTINGS: [(&str, &str); 3] = [
     ("idle_in_transaction_session_timeout", "30s"),
 ];
 
+/// The LISTEN/NOTIFY channel: payload "session:seq", a wake-up only.
+pub(crate) const NOTIFY_CHANNEL: &str = "session_store_events";
+
 pub(crate) struct PgBackend {
     pool: PgPool,
 }
@@ -132,6 +135,10 @@ impl PgBackend {
         .await
         .map_err(Error::from_sqlx)?;
         rows.into_iter().map(decode).collect()
+    }
+
+    pub(crate) fn pool(&self) -> &PgPool {
+        &self.pool
     }
 
     pub(crate) async fn close(&self) {
@@ -364,6 +371,16 @@ impl LogTx for PgTx {
                 .await
                 .map_err(Error::from_sqlx)?;
         Ok(rows.into_iter().map(|(s,)| s).collect())
+    }
+
+    async fn notify(&mut self, session_id: Uuid, seq: i64) -> Result<()> {
+        sqlx::query("SELECT pg_notify($1, $2)")
+            .bind(NOTIFY_CHANNEL)
+            .bind(format!("{session_id}:{seq}"))
+            .execute(&mut *self.tx)
+            .await
+            .map_err(Error::from_sqlx)?;
+        Ok(())
     }
 
     async fn commit(self) -> Result<()> {

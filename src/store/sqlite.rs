@@ -380,6 +380,11 @@ impl LogTx for SqliteTx {
             .collect()
     }
 
+    async fn notify(&mut self, _session_id: Uuid, _seq: i64) -> Result<()> {
+        // SQLite has no notifications; subscribers poll.
+        Ok(())
+    }
+
     async fn commit(self) -> Result<()> {
         self.0.commit().await.map_err(Error::from_sqlx)
     }
