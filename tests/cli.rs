@@ -549,3 +549,74 @@ fn recover_verify_and_rebuild_through_the_binary() {
         assert_eq!(out.status.code(), Some(1), "{backend}: unknown session");
     }
 }
+
+#[test]
+fn tail_prints_the_global_feed_and_follows_it() {
+    use std::io::BufRead;
+    for (backend, db) in backends() {
+        for name in ["search_activates", "mode_switch_and_back"] {
+            let log = format!("{EXAMPLES}/{name}.jsonl");
+            assert!(run(&db.url, &["import", &log], None).status.success());
+        }
+        let out = run(&db.url, &["tail", "--json"], None);
+        assert!(out.status.success(), "{backend}: {}", stderr(&out));
+        let positions: Vec<i64> = stdout(&out)
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<Value>(l).unwrap()["position"]
+                    .as_i64()
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(positions.len(), 17, "{backend}");
+        assert!(
+            positions.windows(2).all(|w| w[0] < w[1]),
+            "{backend}: {positions:?}"
+        );
+        let from = positions[10].to_string();
+        let out = run(&db.url, &["tail", "--json", "--from-position", &from], None);
+        assert_eq!(stdout(&out).lines().count(), 7, "{backend}");
+
+        let mut follower = Command::new(BIN)
+            .args([
+                "--database",
+                &db.url,
+                "tail",
+                "--json",
+                "--follow",
+                "--from-position",
+            ])
+            .arg((positions[16] + 1).to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let reader = std::io::BufReader::new(follower.stdout.take().unwrap());
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in reader.lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        let out = run(
+            &db.url,
+            &[
+                "append",
+                "f8107687-15cd-5875-8d51-79a78ed3a5d0",
+                "--expected-seq",
+                "7",
+            ],
+            Some(r#"{"type":"assistant_message","text":"followed"}"#),
+        );
+        assert!(out.status.success(), "{backend}: {}", stderr(&out));
+        let line = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("tail --follow saw the append");
+        let v: Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(v["text"], "followed", "{backend}");
+        assert_eq!(v["seq"], 8);
+        follower.kill().unwrap();
+        let _ = follower.wait();
+    }
+}
