@@ -25,8 +25,7 @@ fn oracle(log: &[StoredEvent], n: i64) -> Answer {
     // §5: the latest compaction C with seq <= N.
     let c = events
         .iter()
-        .filter(|e| matches!(e.body, EventBody::Compaction { .. }))
-        .last();
+        .rfind(|e| matches!(e.body, EventBody::Compaction { .. }));
     let (lower, summary) = match c {
         None => (1, None),
         Some(c) => match &c.body {
