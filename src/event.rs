@@ -555,3 +555,193 @@ fn parse_body(type_value: Value, map: Map<String, Value>) -> Result<EventBody, V
     };
     Ok(body)
 }
+
+#[cfg(test)]
+mod tests {
+    //! Parsing rules of SEMANTICS §3–§4 and §9 (import lines).
+
+    use super::*;
+
+    const S: &str = "11111111-2222-4333-8444-555555555555";
+
+    fn parse(line: &str) -> Result<ParsedLine, ValidationError> {
+        parse_line(line, LineKind::Import, DEFAULT_LIMIT)
+    }
+
+    const DEFAULT_LIMIT: usize = 1 << 20;
+
+    fn rule(line: &str) -> (Rule, Option<String>) {
+        let e = parse(line).expect_err("should be rejected");
+        (e.rule, e.field)
+    }
+
+    fn line(rest: &str) -> String {
+        format!(r#"{{"session_id":"{S}",{rest}}}"#)
+    }
+
+    #[test]
+    fn malformed_json_and_non_objects_are_rejected() {
+        assert_eq!(rule("{").0, Rule::MalformedJson);
+        assert_eq!(rule("[1]").0, Rule::MalformedJson);
+        assert_eq!(rule("null").0, Rule::MalformedJson);
+    }
+
+    #[test]
+    fn an_unknown_type_is_rejected() {
+        assert_eq!(
+            rule(&line(r#""type":"nope""#)),
+            (Rule::UnknownType, Some("type".into()))
+        );
+        assert_eq!(
+            rule(&line(r#""type":5"#)),
+            (Rule::MistypedField, Some("type".into()))
+        );
+        assert_eq!(
+            rule(&format!(r#"{{"session_id":"{S}"}}"#)).0,
+            Rule::MissingField
+        );
+    }
+
+    #[test]
+    fn missing_mistyped_and_unknown_fields_are_rejected_by_name() {
+        assert_eq!(
+            rule(&line(r#""type":"tool_call","call_id":"c","tool_name":"t""#)),
+            (Rule::MissingField, Some("input".into()))
+        );
+        assert_eq!(
+            rule(&line(r#""type":"prompt_submitted","text":5"#)),
+            (Rule::MistypedField, Some("text".into()))
+        );
+        assert_eq!(
+            rule(&line(
+                r#""type":"prompt_submitted","text":"x","mode":"agent""#
+            )),
+            (Rule::UnknownField, Some("mode".into()))
+        );
+        assert_eq!(
+            rule(&line(
+                r#""type":"compaction","summary":"s","tokens_before":1.5"#
+            ))
+            .0,
+            Rule::MistypedField
+        );
+        assert_eq!(
+            rule(&line(
+                r#""type":"session_started","mode":"a","metadata":[1]"#
+            )),
+            (Rule::MistypedField, Some("metadata".into()))
+        );
+    }
+
+    #[test]
+    fn bad_uuids_are_rejected() {
+        assert_eq!(
+            rule(r#"{"session_id":"x","type":"prompt_submitted","text":"x"}"#),
+            (Rule::BadUuid, Some("session_id".into()))
+        );
+        assert_eq!(
+            rule(&line(
+                r#""event_id":"1-2","type":"prompt_submitted","text":"x""#
+            )),
+            (Rule::BadUuid, Some("event_id".into()))
+        );
+        assert_eq!(
+            rule(&line(
+                r#""type":"compaction","summary":"s","first_kept_event_id":"zz""#
+            )),
+            (Rule::BadUuid, Some("first_kept_event_id".into()))
+        );
+    }
+
+    #[test]
+    fn the_store_assigns_seq_and_position() {
+        for f in ["seq", "position"] {
+            let l = line(&format!(r#""type":"prompt_submitted","text":"x","{f}":1"#));
+            assert_eq!(rule(&l), (Rule::UnknownField, Some(f.into())));
+        }
+    }
+
+    #[test]
+    fn an_import_line_needs_its_session_and_append_lines_take_no_time() {
+        assert_eq!(
+            rule(r#"{"type":"prompt_submitted","text":"x"}"#),
+            (Rule::MissingField, Some("session_id".into()))
+        );
+        let l = r#"{"type":"prompt_submitted","text":"x","recorded_at":"2025-01-01T00:00:00Z"}"#;
+        let e = parse_line(l, LineKind::Append, DEFAULT_LIMIT).unwrap_err();
+        assert_eq!(e.rule, Rule::UnknownField);
+        let bad_time = line(r#""type":"prompt_submitted","text":"x","recorded_at":"yesterday""#);
+        assert_eq!(
+            rule(&bad_time),
+            (Rule::MistypedField, Some("recorded_at".into()))
+        );
+    }
+
+    #[test]
+    fn an_oversized_event_is_rejected() {
+        let l = line(r#""type":"prompt_submitted","text":"xxxxxxxxxxxxxxxx""#);
+        let e = parse_line(&l, LineKind::Import, 40).unwrap_err();
+        assert_eq!(e.rule, Rule::TooLarge);
+        assert!(parse_line(&l, LineKind::Import, l.len()).is_ok());
+    }
+
+    #[test]
+    fn optional_nulls_equal_absent_fields_but_output_null_is_kept() {
+        let with_nulls = parse(&line(
+            r#""type":"tool_result","call_id":"c","tool_name":"t","status":"error","output":null,"added_tool_names":null"#,
+        ))
+        .unwrap();
+        let EventBody::ToolResult {
+            output,
+            added_tool_names,
+            ..
+        } = &with_nulls.event.body
+        else {
+            panic!()
+        };
+        assert_eq!(output, &Some(Value::Null));
+        assert_eq!(added_tool_names, &None);
+        let absent = parse(&line(
+            r#""type":"tool_result","call_id":"c","tool_name":"t","status":"error""#,
+        ))
+        .unwrap();
+        assert_ne!(
+            absent.event.body, with_nulls.event.body,
+            "output null differs from absent"
+        );
+        let a = parse(&line(
+            r#""type":"compaction","summary":"s","first_kept_event_id":null,"tokens_before":null"#,
+        ))
+        .unwrap();
+        let b = parse(&line(r#""type":"compaction","summary":"s""#)).unwrap();
+        assert_eq!(a.event.body, b.event.body);
+        let a = parse(&line(
+            r#""type":"session_started","mode":"m","metadata":null"#,
+        ))
+        .unwrap();
+        let b = parse(&line(r#""type":"session_started","mode":"m""#)).unwrap();
+        assert_eq!(a.event.body, b.event.body);
+        let call = parse(&line(
+            r#""type":"tool_call","call_id":"c","tool_name":"t","input":null"#,
+        ))
+        .unwrap();
+        assert!(matches!(
+            call.event.body,
+            EventBody::ToolCall {
+                input: Value::Null,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn payload_values_round_trip_exactly() {
+        let l = line(
+            r#""type":"tool_call","call_id":"c","tool_name":"t","input":{"big":123456789012345678901234567890,"neg":-0.5,"s":"é\u0000","a":[{},[]]}"#,
+        );
+        let body = parse(&l).unwrap().event.body;
+        let text = body.to_json_text();
+        assert!(text.contains("123456789012345678901234567890"), "{text}");
+        assert_eq!(EventBody::from_json_text(&text).unwrap(), body);
+    }
+}

@@ -20,6 +20,9 @@ pub mod projector;
 pub mod store;
 pub mod validate;
 
+#[cfg(test)]
+mod testkit;
+
 pub use error::{Error, Result, Rule, ValidationError};
 pub use event::{EventBody, NewEvent, StoredEvent, ToolStatus};
 pub use projector::{Activation, Activations, Context, ContextRow, SessionState, View};

@@ -307,3 +307,159 @@ impl SessionState {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The consequences listed in SEMANTICS §7, each one a test.
+
+    use crate::event::ToolStatus::*;
+    use crate::testkit::*;
+
+    fn searched() -> Log {
+        Log::new()
+            .push(started("agent"))
+            .push(catalog(
+                "agent",
+                &["web_fetch", "notebook_edit", "image_view"],
+            ))
+            .push(prompt("find"))
+            .push(call("c1", "ToolSearch"))
+            .push(result("c1", "ToolSearch", Success, &["web_fetch"]))
+    }
+
+    #[test]
+    fn a_successful_search_activates_its_names() {
+        assert_eq!(searched().tools(), vec![("web_fetch".into(), 5)]);
+    }
+
+    #[test]
+    fn error_interrupted_and_placeholder_results_contribute_nothing() {
+        for status in [Error, Interrupted, Placeholder] {
+            let log = Log::new()
+                .push(started("agent"))
+                .push(catalog("agent", &["web_fetch", "image_view"]))
+                .push(call("c1", "image_view"))
+                .push(result("c1", "image_view", status, &[]));
+            assert!(log.tools().is_empty(), "{status:?}");
+        }
+    }
+
+    #[test]
+    fn prose_is_never_read_for_names() {
+        // The prompt, the assistant text, the call's input and the result's
+        // output all mention catalog names; none activates.
+        let log = Log::new()
+            .push(started("agent"))
+            .push(catalog("agent", &["web_fetch", "image_view"]))
+            .push(prompt("use web_fetch"))
+            .push(crate::event::EventBody::AssistantMessage {
+                text: "web_fetch is now available".into(),
+            })
+            .push(call("c1", "Read"))
+            .push(result("c1", "Read", Success, &[]));
+        assert!(log.tools().is_empty());
+    }
+
+    #[test]
+    fn evidence_removed_by_compaction_no_longer_counts() {
+        let log = searched().push(prompt("two")).push(compaction(Some(6)));
+        assert!(log.tools().is_empty());
+        let log = searched().push(compaction(None));
+        assert!(log.tools().is_empty());
+    }
+
+    #[test]
+    fn evidence_kept_by_compaction_still_counts() {
+        let log = searched().push(prompt("two")).push(compaction(Some(3)));
+        assert_eq!(log.tools(), vec![("web_fetch".into(), 5)]);
+        assert_eq!(log.state().window_start, 3);
+    }
+
+    #[test]
+    fn switching_to_a_mode_without_the_name_drops_it_and_back_restores_it() {
+        let log = searched()
+            .push(catalog("chat", &["image_view"]))
+            .push(switch("chat"));
+        assert!(log.tools().is_empty());
+        let log = log.push(switch("agent"));
+        assert_eq!(log.tools(), vec![("web_fetch".into(), 5)]);
+    }
+
+    #[test]
+    fn a_rebuilt_catalog_that_drops_a_name_drops_it_and_one_that_keeps_it_keeps_it() {
+        let dropped = searched().push(catalog("agent", &["notebook_edit"]));
+        assert!(dropped.tools().is_empty());
+        let kept = searched().push(catalog("agent", &["web_fetch"]));
+        assert_eq!(kept.tools(), vec![("web_fetch".into(), 5)]);
+    }
+
+    #[test]
+    fn evidence_older_than_the_catalog_that_admits_it_counts() {
+        let log = Log::new()
+            .push(started("agent"))
+            .push(call("c1", "ToolSearch"))
+            .push(result("c1", "ToolSearch", Success, &["web_fetch"]));
+        assert!(log.tools().is_empty());
+        let log = log.push(catalog("agent", &["web_fetch"]));
+        assert_eq!(log.tools(), vec![("web_fetch".into(), 3)]);
+    }
+
+    #[test]
+    fn a_core_tools_success_activates_nothing() {
+        let log = searched()
+            .push(call("c2", "Read"))
+            .push(result("c2", "Read", Success, &[]));
+        assert_eq!(log.tools(), vec![("web_fetch".into(), 5)]);
+    }
+
+    #[test]
+    fn a_deferred_tools_own_success_activates_it_and_any_result_may_add_names() {
+        let log = searched().push(call("c2", "image_view")).push(result(
+            "c2",
+            "image_view",
+            Success,
+            &["notebook_edit"],
+        ));
+        assert_eq!(
+            log.tools(),
+            vec![
+                ("image_view".into(), 7),
+                ("notebook_edit".into(), 7),
+                ("web_fetch".into(), 5)
+            ]
+        );
+    }
+
+    #[test]
+    fn evidence_seq_is_the_latest_effective_evidence_and_names_sort_by_bytes() {
+        let log = Log::new()
+            .push(started("agent"))
+            .push(catalog("agent", &["a", "B", "web_fetch"]))
+            .push(call("c1", "ToolSearch"))
+            .push(result(
+                "c1",
+                "ToolSearch",
+                Success,
+                &["web_fetch", "a", "B"],
+            ))
+            .push(call("c2", "ToolSearch"))
+            .push(result("c2", "ToolSearch", Success, &["web_fetch"]));
+        assert_eq!(
+            log.tools(),
+            vec![("B".into(), 4), ("a".into(), 4), ("web_fetch".into(), 6)]
+        );
+    }
+
+    #[test]
+    fn only_the_latest_compaction_counts_and_null_keeps_only_later_rows() {
+        let log = searched()
+            .push(compaction(Some(3)))
+            .push(prompt("after"))
+            .push(compaction(None))
+            .push(prompt("last"));
+        let ctx = log.state().context();
+        assert_eq!(ctx.summary.as_deref(), Some("summary"));
+        assert_eq!(ctx.rows.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![9]);
+        assert!(log.tools().is_empty());
+    }
+}

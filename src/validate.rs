@@ -188,3 +188,198 @@ pub fn check_event(state: &SessionState, body: &EventBody) -> Result<(), Validat
         _ => Ok(()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! Each rule of SEMANTICS §3–§4 that needs the session, one test each,
+    //! asserting the rule and the field. (Parsing rules are tested in
+    //! `event.rs`; every rule also runs through the binary in tests/cli.rs.)
+
+    use super::*;
+    use crate::event::ToolStatus::*;
+    use crate::testkit::*;
+
+    fn rejects(log: &Log, body: EventBody) -> (Rule, Option<String>) {
+        let e = check_event(&log.state(), &body).expect_err("should be rejected");
+        (e.rule, e.field)
+    }
+
+    fn accepts(log: &Log, body: EventBody) {
+        check_event(&log.state(), &body).expect("should be accepted");
+    }
+
+    fn base() -> Log {
+        Log::new()
+            .push(started("agent"))
+            .push(prompt("one"))
+            .push(call("c1", "ToolSearch"))
+            .push(result("c1", "ToolSearch", Success, &["web_fetch"]))
+            .push(prompt("two"))
+            .push(call("c2", "Read"))
+    }
+
+    fn field(f: &str) -> Option<String> {
+        Some(f.to_owned())
+    }
+
+    #[test]
+    fn an_event_before_session_started_is_rejected() {
+        assert_eq!(
+            rejects(&Log::new(), prompt("x")),
+            (Rule::NotStarted, field("type"))
+        );
+    }
+
+    #[test]
+    fn a_second_session_started_is_rejected() {
+        assert_eq!(
+            rejects(&base(), started("agent")),
+            (Rule::AlreadyStarted, field("type"))
+        );
+    }
+
+    #[test]
+    fn a_reused_call_id_is_rejected() {
+        assert_eq!(
+            rejects(&base(), call("c1", "x")),
+            (Rule::DuplicateCallId, field("call_id"))
+        );
+    }
+
+    #[test]
+    fn a_result_without_its_call_is_rejected() {
+        let r = result("nope", "Read", Success, &[]);
+        assert_eq!(
+            rejects(&base(), r),
+            (Rule::ResultWithoutCall, field("call_id"))
+        );
+    }
+
+    #[test]
+    fn a_second_result_for_a_call_is_rejected() {
+        let r = result("c1", "ToolSearch", Error, &[]);
+        assert_eq!(
+            rejects(&base(), r),
+            (Rule::DuplicateResult, field("call_id"))
+        );
+    }
+
+    #[test]
+    fn a_result_naming_another_tool_than_its_call_is_rejected() {
+        let r = result("c2", "Write", Success, &[]);
+        assert_eq!(
+            rejects(&base(), r),
+            (Rule::ResultToolMismatch, field("tool_name"))
+        );
+    }
+
+    #[test]
+    fn added_names_on_a_result_that_did_not_succeed_are_rejected() {
+        for status in [Error, Interrupted, Placeholder] {
+            let r = result("c2", "Read", status, &["web_fetch"]);
+            assert_eq!(
+                rejects(&base(), r),
+                (Rule::AddedNamesWithoutSuccess, field("added_tool_names"))
+            );
+        }
+        // An empty array is no names at all.
+        let empty = EventBody::ToolResult {
+            call_id: "c2".into(),
+            tool_name: "Read".into(),
+            status: Error,
+            output: None,
+            added_tool_names: Some(vec![]),
+        };
+        accepts(&base(), empty);
+    }
+
+    #[test]
+    fn a_compaction_must_keep_from_an_effective_row() {
+        // Unknown id, a non-row (session_started), a row summarized earlier.
+        assert_eq!(
+            rejects(&base(), compaction(Some(99))).0,
+            Rule::CompactionKeepsNonEffectiveRow
+        );
+        assert_eq!(
+            rejects(&base(), compaction(Some(1))),
+            (
+                Rule::CompactionKeepsNonEffectiveRow,
+                field("first_kept_event_id")
+            )
+        );
+        let compacted = base().push(compaction(Some(5)));
+        assert_eq!(
+            rejects(&compacted, compaction(Some(2))).0,
+            Rule::CompactionKeepsNonEffectiveRow
+        );
+        accepts(&compacted, compaction(Some(5)));
+        accepts(&compacted, compaction(None));
+    }
+
+    #[test]
+    fn a_compaction_must_not_split_a_call_from_its_result() {
+        // Naming a result always splits it from its call.
+        assert_eq!(
+            rejects(&base(), compaction(Some(4))),
+            (Rule::CompactionSplitsCall, field("first_kept_event_id"))
+        );
+        // Keeping from a row between a call and its result splits them.
+        let log = base()
+            .push(prompt("three"))
+            .push(result("c2", "Read", Success, &[]));
+        assert_eq!(
+            rejects(&log, compaction(Some(7))).0,
+            Rule::CompactionSplitsCall
+        );
+        // Keeping the call with its result is fine.
+        accepts(&log, compaction(Some(6)));
+        accepts(&log, compaction(Some(3)));
+    }
+
+    #[test]
+    fn tool_names_are_non_empty_short_and_free_of_control_characters() {
+        let ok = "x".repeat(MAX_TOOL_NAME_BYTES);
+        accepts(&base(), call("c9", &ok));
+        let long = "x".repeat(MAX_TOOL_NAME_BYTES + 1);
+        for bad in ["", long.as_str(), "a\u{0}b", "a\nb", "a\u{1f}b", "a\u{7f}b"] {
+            assert_eq!(
+                rejects(&base(), call("c9", bad)),
+                (Rule::BadToolName, field("tool_name"))
+            );
+            assert_eq!(
+                rejects(&base(), catalog("agent", &["ok", bad])),
+                (Rule::BadToolName, field("deferred_tools"))
+            );
+            assert_eq!(
+                rejects(&base(), result("c2", "Read", Success, &[bad])),
+                (Rule::BadToolName, field("added_tool_names"))
+            );
+        }
+        // Multi-byte names count bytes: 128 two-byte characters is 256 bytes.
+        accepts(&base(), call("c9", &"é".repeat(128)));
+        assert_eq!(
+            rejects(&base(), call("c9", &"é".repeat(129))).0,
+            Rule::BadToolName
+        );
+    }
+
+    #[test]
+    fn modes_and_call_ids_are_non_empty() {
+        assert_eq!(
+            rejects(&base(), switch("")),
+            (Rule::EmptyField, field("mode"))
+        );
+        assert_eq!(
+            rejects(&base(), catalog("", &[])),
+            (Rule::EmptyField, field("mode"))
+        );
+        assert_eq!(
+            rejects(&base(), call("", "Read")),
+            (Rule::EmptyField, field("call_id"))
+        );
+        assert_eq!(
+            rejects(&Log::new(), started("")),
+            (Rule::EmptyField, field("mode"))
+        );
+    }
+}
