@@ -251,7 +251,7 @@ async fn run_on(
                 .await
                 .map_err(|e| at_line(e, &line_numbers))?;
             for a in &outcome.events {
-                writeln!(out, "{}", serde_json::to_string(a).unwrap_or_default()).map_err(io)?;
+                print_json(out, a)?;
             }
         }
         Command::Context {
@@ -261,7 +261,7 @@ async fn run_on(
         } => {
             let ctx = store.context(parse_session(&session)?, at_seq).await?;
             if json {
-                writeln!(out, "{}", serde_json::to_string(&ctx).unwrap_or_default()).map_err(io)?;
+                print_json(out, &ctx)?;
             } else {
                 print_context(&ctx, out).map_err(io)?;
             }
@@ -273,7 +273,7 @@ async fn run_on(
         } => {
             let act = store.activations(parse_session(&session)?, at_seq).await?;
             if json {
-                writeln!(out, "{}", serde_json::to_string(&act).unwrap_or_default()).map_err(io)?;
+                print_json(out, &act)?;
             } else {
                 print_activations(&act, out).map_err(io)?;
             }
@@ -281,7 +281,7 @@ async fn run_on(
         Command::Recover { session, json } => {
             let r = store.recover(parse_session(&session)?).await?;
             if json {
-                writeln!(out, "{}", serde_json::to_string(&r).unwrap_or_default()).map_err(io)?;
+                print_json(out, &r)?;
             } else {
                 print_recovery(&r, out).map_err(io)?;
             }
@@ -348,8 +348,7 @@ async fn run_on(
                 after = last.position;
                 for e in &page {
                     if json {
-                        writeln!(out, "{}", serde_json::to_string(e).unwrap_or_default())
-                            .map_err(io)?;
+                        print_json(out, e)?;
                     } else {
                         writeln!(
                             out,
@@ -393,8 +392,7 @@ async fn run_on(
                 left -= page.len() as i64;
                 for e in &page {
                     if json {
-                        writeln!(out, "{}", serde_json::to_string(e).unwrap_or_default())
-                            .map_err(io)?;
+                        print_json(out, e)?;
                     } else {
                         writeln!(
                             out,
@@ -411,6 +409,13 @@ async fn run_on(
         }
     }
     Ok(())
+}
+
+/// Prints one value as one line of JSON.
+fn print_json<T: serde::Serialize>(out: &mut dyn Write, value: &T) -> Result<(), CliError> {
+    let text = serde_json::to_string(value)
+        .map_err(|e| CliError::Io(format!("cannot print the answer as JSON: {e}")))?;
+    writeln!(out, "{text}").map_err(io)
 }
 
 fn io(e: std::io::Error) -> CliError {
@@ -614,10 +619,7 @@ fn detail(body: &EventBody) -> String {
             added_tool_names,
             ..
         } => {
-            let status = serde_json::to_value(status)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_owned))
-                .unwrap_or_default();
+            let status = status.as_str();
             match added_tool_names.as_deref() {
                 Some(added) if !added.is_empty() => {
                     format!(

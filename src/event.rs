@@ -29,6 +29,18 @@ pub enum ToolStatus {
     Placeholder,
 }
 
+impl ToolStatus {
+    /// The status as it is spelled in JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ToolStatus::Success => "success",
+            ToolStatus::Error => "error",
+            ToolStatus::Interrupted => "interrupted",
+            ToolStatus::Placeholder => "placeholder",
+        }
+    }
+}
+
 /// One event's type and payload: the eight types of SEMANTICS §3.
 ///
 /// Optional fields that were absent (or `null`, which means the same) are

@@ -87,7 +87,7 @@ pub fn check_shape(body: &EventBody) -> Result<(), ValidationError> {
                     Some("added_tool_names"),
                     format!(
                         "a `tool_result` with status {:?} must not have non-empty `added_tool_names`",
-                        serde_json::to_value(status).unwrap_or_default()
+                        status.as_str()
                     ),
                 ));
             }
