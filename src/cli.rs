@@ -216,8 +216,10 @@ async fn run_on(
             let summary = import(store, &lines, max_bytes).await?;
             writeln!(
                 out,
-                "imported {} events into {} sessions ({} already stored)",
-                summary.written, summary.sessions, summary.replayed
+                "imported {} into {} ({} already stored)",
+                count(summary.written, "event"),
+                count(summary.sessions, "session"),
+                summary.replayed
             )
             .map_err(io)?;
         }
@@ -297,8 +299,8 @@ async fn run_on(
             bar.finish_and_clear();
             writeln!(
                 out,
-                "rebuilt the views of {} sessions in {:.2} s",
-                sessions.len(),
+                "rebuilt the views of {} in {:.2} s",
+                count(sessions.len(), "session"),
                 started.elapsed().as_secs_f64()
             )
             .map_err(io)?;
@@ -409,6 +411,15 @@ async fn run_on(
         }
     }
     Ok(())
+}
+
+/// "1 event", "2 events".
+fn count(n: usize, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
 }
 
 /// Prints one value as one line of JSON.

@@ -323,7 +323,7 @@ fn import_stops_at_the_bad_line_keeping_the_lines_before_it() {
         let out = run(&db.url, &["import"], Some(&fixed));
         assert!(out.status.success(), "{backend}: {}", stderr(&out));
         assert!(
-            stdout(&out).contains("imported 1 events"),
+            stdout(&out).contains("imported 1 event into"),
             "{backend}: {}",
             stdout(&out)
         );
@@ -619,4 +619,15 @@ fn tail_prints_the_global_feed_and_follows_it() {
         follower.kill().unwrap();
         let _ = follower.wait();
     }
+}
+
+#[test]
+fn an_unknown_url_scheme_is_a_usage_error() {
+    let out = run("mysql://127.0.0.1/db", &["activations", S], None);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("unsupported database URL"),
+        "{}",
+        stderr(&out)
+    );
 }

@@ -334,6 +334,11 @@ impl Store {
     /// [`Store::open`] with explicit options.
     #[instrument(skip(options), fields(backend = ?backend_kind(url)))]
     pub async fn open_with(url: &str, options: StoreOptions) -> Result<Store> {
+        if let Some((scheme, _)) = url.split_once("://") {
+            if !["sqlite", "postgres", "postgresql"].contains(&scheme) {
+                return Err(Error::BadUrl(url.to_owned()));
+            }
+        }
         let backend = match backend_kind(url) {
             BackendKind::Postgres => {
                 Backend::Postgres(postgres::PgBackend::connect(url, &options).await?)
