@@ -137,6 +137,7 @@ async fn notifications_reach_another_instance(url: &str, kill: bool) -> Vec<Dura
     });
     tokio::time::sleep(Duration::from_millis(200)).await;
     let mut latencies = Vec::new();
+    let mut received = Vec::new();
     let mut seq = 2;
     for round in 0..20 {
         if kill && round == 10 {
@@ -186,12 +187,16 @@ async fn notifications_reach_another_instance(url: &str, kill: bool) -> Vec<Dura
                 .await
                 .expect("B learned of the event within 10 s")
                 .unwrap();
+            received.push(e.seq);
             if e.seq == seq {
                 latencies.push(at.saturating_duration_since(sent));
                 break;
             }
         }
     }
+    // B saw every event of the session exactly once, in order, including
+    // those appended while its listener was being reconnected.
+    assert_eq!(received, (3..=seq).collect::<Vec<_>>());
     follower.abort();
     // B saw every event exactly once, in order: compare with the log.
     let got = b
