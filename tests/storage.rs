@@ -475,3 +475,29 @@ both_backends!(
         );
     }
 );
+
+#[test]
+fn processes_opening_a_new_sqlite_file_at_once_all_succeed() {
+    let bin = env!("CARGO_BIN_EXE_session-store");
+    for _ in 0..3 {
+        let db = common::sqlite_db();
+        let spawned: Vec<_> = (0..6)
+            .map(|_| {
+                std::process::Command::new(bin)
+                    .args(["--database", &db.url, "tail"])
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        for child in spawned {
+            let out = child.wait_with_output().unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+}

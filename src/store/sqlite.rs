@@ -81,11 +81,27 @@ impl SqliteBackend {
         Ok(SqliteBackend { pool })
     }
 
+    /// Runs the migrations. sqlx takes no lock for SQLite migrations, so two
+    /// processes opening a new file at once can race: the loser's migration
+    /// fails (its transaction rolls back) while the winner's commits. A retry
+    /// then finds the migrations applied.
     pub(crate) async fn migrate(&self) -> Result<()> {
-        MIGRATOR
-            .run(&self.pool)
-            .await
-            .map_err(|e| Error::Database(format!("migrating the SQLite database failed: {e}")))
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match MIGRATOR.run(&self.pool).await {
+                Ok(()) => return Ok(()),
+                Err(e) if attempt < 5 => {
+                    tracing::debug!(cause = %e, attempt, "SQLite migration raced; retrying");
+                    tokio::time::sleep(Duration::from_millis(50 * attempt)).await;
+                }
+                Err(e) => {
+                    return Err(Error::Database(format!(
+                        "migrating the SQLite database failed: {e}"
+                    )))
+                }
+            }
+        }
     }
 
     pub(crate) async fn begin_write(&self) -> Result<SqliteTx> {
