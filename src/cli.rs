@@ -509,7 +509,13 @@ pub async fn import(
             }
         };
         let session = session_id.unwrap_or_default();
-        if batch_session != Some(session) || batch.len() >= IMPORT_BATCH {
+        // A line repeating an event id of the current batch starts a new
+        // batch, so it is judged as its own append would be (an idempotent
+        // retry, or a reused id), not as a duplicate within one batch.
+        let repeats = event
+            .event_id
+            .is_some_and(|id| batch.iter().any(|(_, e)| e.event_id == Some(id)));
+        if batch_session != Some(session) || batch.len() >= IMPORT_BATCH || repeats {
             if let Some(s) = batch_session {
                 flush(
                     store,

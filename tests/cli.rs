@@ -631,3 +631,44 @@ fn an_unknown_url_scheme_is_a_usage_error() {
         stderr(&out)
     );
 }
+
+#[test]
+fn import_treats_a_repeated_line_as_its_own_append() {
+    for (backend, db) in backends() {
+        let lines: Vec<String> = base_log().lines().map(str::to_owned).collect();
+        // Line 5 (a result with an event id) repeated right after itself: an
+        // idempotent retry, not a duplicate in one batch.
+        let mut input = lines[..5].to_vec();
+        input.push(lines[4].clone());
+        input.extend(lines[5..].iter().cloned());
+        let out = run(&db.url, &["import"], Some(&input.join("\n")));
+        assert!(out.status.success(), "{backend}: {}", stderr(&out));
+        assert!(
+            stdout(&out).contains("(1 already stored)"),
+            "{backend}: {}",
+            stdout(&out)
+        );
+        let history = stdout(&run(&db.url, &["history", S, "--json"], None));
+        assert_eq!(history.lines().count(), 7, "{backend}");
+        // The same id with other content is refused, naming its line.
+        let changed = lines[4]
+            .replace("\"success\"", "\"error\"")
+            .replace(",\"added_tool_names\":[\"web_fetch\"]", "");
+        let out = run(
+            &db.url,
+            &["import"],
+            Some(&format!("{}\n{changed}", lines[5])),
+        );
+        assert_eq!(out.status.code(), Some(1), "{backend}");
+        assert!(
+            stderr(&out).contains("line 2"),
+            "{backend}: {}",
+            stderr(&out)
+        );
+        assert!(
+            stderr(&out).contains("event-id-reused-with-other-content"),
+            "{}",
+            stderr(&out)
+        );
+    }
+}
