@@ -218,7 +218,34 @@ pub(crate) struct ViewRow {
     pub(crate) active: String,
 }
 
+/// The columns of `session_views` after `session_id`, in table order, as
+/// both backends select them.
+pub(crate) type ViewColumns = (
+    i64,
+    String,
+    i64,
+    Option<i64>,
+    Option<String>,
+    String,
+    String,
+    String,
+);
+
 impl ViewRow {
+    pub(crate) fn from_columns(session_id: Uuid, c: ViewColumns) -> ViewRow {
+        ViewRow {
+            session_id,
+            refresh_seq: c.0,
+            mode: c.1,
+            window_start: c.2,
+            compaction_seq: c.3,
+            summary: c.4,
+            catalogs: c.5,
+            evidence: c.6,
+            active: c.7,
+        }
+    }
+
     pub(crate) fn from_view(v: &View) -> ViewRow {
         ViewRow {
             session_id: v.session_id,

@@ -19,7 +19,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Postgres, Transaction};
 use uuid::Uuid;
 
-use super::{CallRow, LogTx, PendingRow, StoreOptions, ViewRow};
+use super::{CallRow, LogTx, PendingRow, StoreOptions, ViewColumns, ViewRow};
 use crate::error::{Error, Result};
 use crate::event::{EventBody, StoredEvent};
 
@@ -229,17 +229,7 @@ impl LogTx for PgTx {
     }
 
     async fn load_view(&mut self, session_id: Uuid) -> Result<Option<ViewRow>> {
-        type R = (
-            i64,
-            String,
-            i64,
-            Option<i64>,
-            Option<String>,
-            String,
-            String,
-            String,
-        );
-        let row: Option<R> = sqlx::query_as(
+        let row: Option<ViewColumns> = sqlx::query_as(
             "SELECT refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active \
              FROM session_views WHERE session_id = $1",
         )
@@ -247,17 +237,7 @@ impl LogTx for PgTx {
         .fetch_optional(&mut *self.tx)
         .await
         .map_err(Error::from_sqlx)?;
-        Ok(row.map(|r| ViewRow {
-            session_id,
-            refresh_seq: r.0,
-            mode: r.1,
-            window_start: r.2,
-            compaction_seq: r.3,
-            summary: r.4,
-            catalogs: r.5,
-            evidence: r.6,
-            active: r.7,
-        }))
+        Ok(row.map(|r| ViewRow::from_columns(session_id, r)))
     }
 
     async fn write_view(&mut self, v: &ViewRow) -> Result<()> {
