@@ -68,17 +68,32 @@ impl SqliteBackend {
             .synchronous(SqliteSynchronous::Full)
             .busy_timeout(Duration::from_secs(10))
             .foreign_keys(true);
-        let pool = SqlitePoolOptions::new()
-            .max_connections(4)
-            .acquire_timeout(Duration::from_secs(
-                options.connect_timeout_secs.max(1) + 10,
-            ))
-            .connect_with(connect)
-            .await
-            .map_err(|e| {
-                Error::Unavailable(format!("cannot open SQLite database {path:?}: {e}"))
-            })?;
-        Ok(SqliteBackend { pool })
+        // Turning a new file into WAL mode needs an exclusive lock, and SQLite
+        // answers BUSY at once (without the busy handler) while another
+        // process holds the file; so opening retries for a few seconds.
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let result = SqlitePoolOptions::new()
+                .max_connections(4)
+                .acquire_timeout(Duration::from_secs(
+                    options.connect_timeout_secs.max(1) + 10,
+                ))
+                .connect_with(connect.clone())
+                .await;
+            match result {
+                Ok(pool) => return Ok(SqliteBackend { pool }),
+                Err(e) if attempt < 50 && e.to_string().contains("database is locked") => {
+                    tracing::debug!(attempt, "SQLite file busy while opening; retrying");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => {
+                    return Err(Error::Unavailable(format!(
+                        "cannot open SQLite database {path:?}: {e}"
+                    )))
+                }
+            }
+        }
     }
 
     /// Runs the migrations. sqlx takes no lock for SQLite migrations, so two
