@@ -116,6 +116,10 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Serve the HTTP API (docs/api.md) until Ctrl-C or SIGTERM.
+    Serve(ServeArgs),
+    /// Print the HTTP API's OpenAPI 3 document.
+    Openapi,
     /// Print a session's events in seq order.
     History {
         /// The session's UUID.
@@ -130,6 +134,32 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// Flags of `serve`.
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// Address to listen on; port 0 picks a free one (the line printed at
+    /// start names it).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub listen: std::net::SocketAddr,
+    /// The token document (JSON: {"tokens": [{"token", "tenant",
+    /// "scopes"}]}); SESSION_STORE_TOKENS may hold the document itself.
+    #[arg(long, env = "SESSION_STORE_TOKENS_FILE")]
+    pub tokens: Option<PathBuf>,
+    /// Serve without tokens on a non-loopback address (behind a proxy that
+    /// authenticates, for instance).
+    #[arg(long)]
+    pub insecure: bool,
+    /// Largest request body, in bytes.
+    #[arg(long, default_value_t = crate::server::DEFAULT_BODY_LIMIT)]
+    pub body_limit: usize,
+    /// Seconds a request may take before it answers 503.
+    #[arg(long, default_value_t = 30.0)]
+    pub request_timeout: f64,
+    /// Seconds shutdown waits for in-flight requests and appends.
+    #[arg(long, default_value_t = 30.0)]
+    pub shutdown_grace: f64,
 }
 
 /// A failed command.
@@ -195,10 +225,119 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
         fault_pause_after_commit: pause_after_commit,
         ..StoreOptions::default()
     };
+    match cli.command {
+        Command::Openapi => {
+            return write!(out, "{}", crate::server::openapi_json()).map_err(io);
+        }
+        Command::Serve(args) => return serve(&cli.database, options, args, out).await,
+        _ => {}
+    }
     let store = Store::open_with(&cli.database, options).await?;
     let result = run_on(&store, cli.command, cli.max_event_bytes, out).await;
     store.close().await;
     result
+}
+
+fn seconds(flag: &str, v: f64) -> Result<std::time::Duration, CliError> {
+    std::time::Duration::try_from_secs_f64(v)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| CliError::Input(format!("--{flag} must be a positive number of seconds")))
+}
+
+/// Reads the tokens: `--tokens FILE` (or SESSION_STORE_TOKENS_FILE), else
+/// the document in SESSION_STORE_TOKENS, else none.
+fn load_tokens(file: Option<&PathBuf>) -> Result<Option<crate::server::Tokens>, CliError> {
+    use crate::server::Tokens;
+    if let Some(path) = file {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            CliError::Io(format!(
+                "cannot read the token file {}: {e}",
+                path.display()
+            ))
+        })?;
+        return Tokens::parse(&text, &format!("the token file {}", path.display()))
+            .map(Some)
+            .map_err(CliError::Input);
+    }
+    match std::env::var("SESSION_STORE_TOKENS") {
+        Ok(text) if !text.trim().is_empty() => Tokens::parse(&text, "SESSION_STORE_TOKENS")
+            .map(Some)
+            .map_err(CliError::Input),
+        _ => Ok(None),
+    }
+}
+
+async fn serve(
+    database: &str,
+    options: StoreOptions,
+    args: ServeArgs,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
+    use crate::server::{Server, ServerConfig};
+    let tokens = load_tokens(args.tokens.as_ref())?;
+    if tokens.is_none() && !args.listen.ip().is_loopback() && !args.insecure {
+        return Err(CliError::Input(format!(
+            "refusing to serve {} without tokens: anyone who can reach that address could read and write every session. \
+             Give --tokens FILE (or SESSION_STORE_TOKENS), listen on a loopback address such as 127.0.0.1, \
+             or pass --insecure if something in front of the server authenticates callers",
+            args.listen
+        )));
+    }
+    let config = ServerConfig {
+        tokens,
+        body_limit: args.body_limit,
+        request_timeout: seconds("request-timeout", args.request_timeout)?,
+        shutdown_grace: seconds("shutdown-grace", args.shutdown_grace)?,
+    };
+    let store = std::sync::Arc::new(Store::open_with(database, options).await?);
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| CliError::Io(format!("cannot listen on {}: {e}", args.listen)))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| CliError::Io(format!("cannot read the listening address: {e}")))?;
+    let auth = match &config.tokens {
+        Some(t) => format!("{} token(s)", t.len()),
+        None => "no tokens: every caller is the default tenant".to_owned(),
+    };
+    let kind = match store.kind() {
+        crate::store::BackendKind::Sqlite => "SQLite",
+        crate::store::BackendKind::Postgres => "PostgreSQL",
+    };
+    writeln!(out, "listening on http://{addr} ({kind} store, {auth})").map_err(io)?;
+    out.flush().map_err(io)?;
+    info!(%addr, "serving");
+    let server = Server::new(store.clone(), config);
+    let result = server
+        .serve(listener, shutdown_signal())
+        .await
+        .map_err(|e| CliError::Io(format!("the server failed: {e}")));
+    store.close().await;
+    result
+}
+
+/// Completes on Ctrl-C or SIGTERM (what `docker stop` and systemd send).
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }
 
 async fn run_on(
@@ -208,6 +347,12 @@ async fn run_on(
     out: &mut dyn Write,
 ) -> Result<(), CliError> {
     match command {
+        Command::Serve(_) | Command::Openapi => {
+            // `run` answers these before opening a borrowed store.
+            return Err(CliError::Input(
+                "serve and openapi are run by `run`, not on an open store".to_owned(),
+            ));
+        }
         Command::Migrate => {
             writeln!(out, "migrations applied").map_err(io)?;
         }

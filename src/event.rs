@@ -16,7 +16,7 @@ use uuid::Uuid;
 use crate::error::{Rule, ValidationError};
 
 /// The outcome of a tool call, as the runtime recorded it (SEMANTICS §3).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ToolStatus {
     /// The call succeeded; only such results give evidence (§7).
@@ -46,7 +46,7 @@ impl ToolStatus {
 /// Optional fields that were absent (or `null`, which means the same) are
 /// `None` and are left out when the event is serialized again. `output` is the
 /// exception: `Some(Value::Null)` records an explicit `null`.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, utoipa::ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum EventBody {
     /// Opens the stream; must be seq 1.
@@ -239,7 +239,7 @@ impl NewEvent {
 }
 
 /// A stored event: the envelope of SEMANTICS §2 and the body.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct StoredEvent {
     /// The stream.
     pub session_id: Uuid,

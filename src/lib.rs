@@ -17,6 +17,7 @@ pub mod cli;
 pub mod error;
 pub mod event;
 pub mod projector;
+pub mod server;
 pub mod store;
 pub mod validate;
 
@@ -28,4 +29,5 @@ pub use event::{EventBody, NewEvent, StoredEvent, ToolStatus};
 pub use projector::{Activation, Activations, Context, ContextRow, SessionState, View};
 pub use store::{
     AppendOutcome, Appended, BackendKind, Recovery, RetryPolicy, Store, StoreOptions, Subscription,
+    DEFAULT_TENANT,
 };

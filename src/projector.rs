@@ -72,7 +72,7 @@ pub struct View {
 }
 
 /// One name of the activation set (§7).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct Activation {
     /// The deferred tool.
     pub name: String,
@@ -81,7 +81,7 @@ pub struct Activation {
 }
 
 /// The effective context at a seq, in the §9 JSON shape.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct Context {
     /// The session.
     pub session_id: Uuid,
@@ -96,7 +96,7 @@ pub struct Context {
 }
 
 /// One row of [`Context`]: the stored event without the global envelope.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct ContextRow {
     /// The row's seq.
     pub seq: i64,
@@ -108,7 +108,7 @@ pub struct ContextRow {
 }
 
 /// The activation set at a seq, in the §9 JSON shape.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct Activations {
     /// The session.
     pub session_id: Uuid,

@@ -21,7 +21,7 @@ mod postgres;
 mod sqlite;
 mod subscribe;
 
-pub use subscribe::Subscription;
+pub use subscribe::{Subscription, Watch};
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -93,7 +93,7 @@ impl Default for RetryPolicy {
 }
 
 /// What one appended event was given by the store.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
 pub struct Appended {
     /// The event's id (supplied or generated).
     pub event_id: Uuid,
@@ -114,7 +114,7 @@ pub struct AppendOutcome {
 }
 
 /// The restart-recovery state of a session (see [`Store::recover`]).
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
 pub struct Recovery {
     /// The session.
     pub session_id: Uuid,
@@ -196,6 +196,18 @@ pub(crate) trait LogTx: Send {
     /// Tells listeners, at commit, that the session reached `seq` (a
     /// wake-up only: PostgreSQL NOTIFY with "session:seq"; SQLite no-op).
     fn notify(&mut self, session_id: Uuid, seq: i64) -> impl Future<Output = Result<()>> + Send;
+    /// The tenant recorded as the session's owner, if any (docs/api.md,
+    /// "Tenants").
+    fn session_owner(
+        &mut self,
+        session_id: Uuid,
+    ) -> impl Future<Output = Result<Option<String>>> + Send;
+    /// Records `tenant` as the owner of a session being created.
+    fn claim_session(
+        &mut self,
+        session_id: Uuid,
+        tenant: &str,
+    ) -> impl Future<Output = Result<()>> + Send;
     /// Commits.
     fn commit(self) -> impl Future<Output = Result<()>> + Send;
 }
@@ -302,6 +314,10 @@ enum Backend {
     Postgres(postgres::PgBackend),
 }
 
+/// The tenant of sessions created without one (through the CLI, the
+/// library, or a server without tokens).
+pub const DEFAULT_TENANT: &str = "default";
+
 /// Which database a URL names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendKind {
@@ -402,9 +418,25 @@ impl Store {
     /// Appends `events` to `session_id` atomically, if the session is at
     /// `expected_seq` (0 for a new session). See the module docs for the
     /// order in which a batch is judged.
-    #[instrument(skip(self, events), fields(session = %session_id, n = events.len()))]
     pub async fn append(
         &self,
+        session_id: Uuid,
+        expected_seq: i64,
+        events: Vec<NewEvent>,
+    ) -> Result<AppendOutcome> {
+        self.append_as(None, session_id, expected_seq, events).await
+    }
+
+    /// [`Store::append`] on behalf of a tenant (the HTTP server's callers).
+    /// With `Some(tenant)`, a session owned by another tenant answers
+    /// [`Error::SessionNotFound`], exactly like a missing one, before
+    /// anything else is judged, and a session this append creates is
+    /// recorded as the tenant's in the same transaction. `None` is the
+    /// operator (CLI, library): no check, no claim.
+    #[instrument(skip(self, events), fields(session = %session_id, n = events.len()))]
+    pub async fn append_as(
+        &self,
+        tenant: Option<&str>,
         session_id: Uuid,
         expected_seq: i64,
         events: Vec<NewEvent>,
@@ -414,11 +446,29 @@ impl Store {
         let (outcome, state) = match &self.backend {
             Backend::Sqlite(b) => {
                 let tx = b.begin_write().await?;
-                append_in(tx, cached, session_id, expected_seq, &events, &self.options).await?
+                append_in(
+                    tx,
+                    cached,
+                    tenant,
+                    session_id,
+                    expected_seq,
+                    &events,
+                    &self.options,
+                )
+                .await?
             }
             Backend::Postgres(b) => {
                 let tx = b.begin_write().await?;
-                append_in(tx, cached, session_id, expected_seq, &events, &self.options).await?
+                append_in(
+                    tx,
+                    cached,
+                    tenant,
+                    session_id,
+                    expected_seq,
+                    &events,
+                    &self.options,
+                )
+                .await?
             }
         };
         if let Some(state) = state {
@@ -582,6 +632,26 @@ impl Store {
         })
     }
 
+    /// The tenant that owns a session: the one recorded when it was created
+    /// through [`Store::append_as`], else [`DEFAULT_TENANT`]; `None` when
+    /// the session has no events.
+    pub async fn session_owner(&self, session_id: Uuid) -> Result<Option<String>> {
+        async fn owner_in<T: LogTx>(mut tx: T, session_id: Uuid) -> Result<Option<String>> {
+            if tx.head_seq(session_id).await? == 0 {
+                return Ok(None);
+            }
+            Ok(Some(
+                tx.session_owner(session_id)
+                    .await?
+                    .unwrap_or_else(|| DEFAULT_TENANT.to_owned()),
+            ))
+        }
+        match &self.backend {
+            Backend::Sqlite(b) => owner_in(b.begin_read().await?, session_id).await,
+            Backend::Postgres(b) => owner_in(b.begin_read().await?, session_id).await,
+        }
+    }
+
     /// Every session in the store, in id order.
     pub async fn sessions(&self) -> Result<Vec<Uuid>> {
         match &self.backend {
@@ -658,11 +728,26 @@ fn check_batch_ids(events: &[NewEvent]) -> Result<()> {
 async fn append_in<T: LogTx>(
     mut tx: T,
     cached: Option<SessionState>,
+    tenant: Option<&str>,
     session_id: Uuid,
     expected_seq: i64,
     events: &[NewEvent],
     options: &StoreOptions,
 ) -> Result<(AppendOutcome, Option<SessionState>)> {
+    // 0. Tenant isolation: another tenant's session does not exist for
+    // this caller, whatever else the batch says.
+    let mut creates_for = None;
+    if let Some(tenant) = tenant {
+        if tx.head_seq(session_id).await? > 0 {
+            let owner = tx.session_owner(session_id).await?;
+            if owner.as_deref().unwrap_or(DEFAULT_TENANT) != tenant {
+                return Err(Error::SessionNotFound(session_id));
+            }
+        } else {
+            creates_for = Some(tenant);
+        }
+    }
+
     // 1. Idempotent retry.
     let ids: Vec<Uuid> = events.iter().filter_map(|e| e.event_id).collect();
     if !ids.is_empty() {
@@ -678,9 +763,11 @@ async fn append_in<T: LogTx>(
                     return Err(ValidationError::new(
                         Rule::EventIdReused,
                         Some("event_id"),
+                        // Names neither the other session nor its seq: the
+                        // caller may not be allowed to know they exist.
                         format!(
-                            "`event_id` {} is already stored (session {}, seq {}) with other content",
-                            prior.event_id, prior.session_id, prior.seq
+                            "`event_id` {} is already stored with other content or in another session",
+                            prior.event_id
                         ),
                     )
                     .at_index(i)
@@ -804,6 +891,9 @@ async fn append_in<T: LogTx>(
     tx.record_calls(session_id, &new_calls, &results).await?;
     if let Some(view) = &last_view {
         tx.write_view(&ViewRow::from_view(view)).await?;
+    }
+    if let Some(tenant) = creates_for {
+        tx.claim_session(session_id, tenant).await?;
     }
     tx.notify(session_id, head + events.len() as i64).await?;
     if let Some(pause) = options.fault_pause_before_commit {

@@ -353,6 +353,26 @@ impl LogTx for PgTx {
         Ok(rows.into_iter().map(|(s,)| s).collect())
     }
 
+    async fn session_owner(&mut self, session_id: Uuid) -> Result<Option<String>> {
+        let row: Option<(String,)> =
+            sqlx::query_as("SELECT tenant FROM session_owners WHERE session_id = $1")
+                .bind(session_id)
+                .fetch_optional(&mut *self.tx)
+                .await
+                .map_err(Error::from_sqlx)?;
+        Ok(row.map(|(t,)| t))
+    }
+
+    async fn claim_session(&mut self, session_id: Uuid, tenant: &str) -> Result<()> {
+        sqlx::query("INSERT INTO session_owners (session_id, tenant) VALUES ($1, $2)")
+            .bind(session_id)
+            .bind(tenant)
+            .execute(&mut *self.tx)
+            .await
+            .map_err(Error::from_sqlx)?;
+        Ok(())
+    }
+
     async fn notify(&mut self, session_id: Uuid, seq: i64) -> Result<()> {
         sqlx::query("SELECT pg_notify($1, $2)")
             .bind(NOTIFY_CHANNEL)

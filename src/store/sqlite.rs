@@ -391,6 +391,26 @@ impl LogTx for SqliteTx {
             .collect()
     }
 
+    async fn session_owner(&mut self, session_id: Uuid) -> Result<Option<String>> {
+        let row: Option<(String,)> =
+            sqlx::query_as("SELECT tenant FROM session_owners WHERE session_id = ?")
+                .bind(session_id.to_string())
+                .fetch_optional(&mut *self.0)
+                .await
+                .map_err(Error::from_sqlx)?;
+        Ok(row.map(|(t,)| t))
+    }
+
+    async fn claim_session(&mut self, session_id: Uuid, tenant: &str) -> Result<()> {
+        sqlx::query("INSERT INTO session_owners (session_id, tenant) VALUES (?, ?)")
+            .bind(session_id.to_string())
+            .bind(tenant)
+            .execute(&mut *self.0)
+            .await
+            .map_err(Error::from_sqlx)?;
+        Ok(())
+    }
+
     async fn notify(&mut self, _session_id: Uuid, _seq: i64) -> Result<()> {
         // SQLite has no notifications; subscribers poll.
         Ok(())

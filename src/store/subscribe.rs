@@ -120,14 +120,47 @@ impl Store {
         seq: i64,
         timeout: Duration,
     ) -> Result<Option<i64>> {
-        let mut waker = Waker::new(self).await?;
+        self.watch()
+            .await?
+            .wait_past(session_id, seq, timeout)
+            .await
+    }
+
+    /// A [`Watch`]: [`Store::wait_past`] for a caller that waits again and
+    /// again (a stream), keeping one listener instead of opening one per
+    /// wait.
+    pub async fn watch(&self) -> Result<Watch<'_>> {
+        Ok(Watch {
+            store: self,
+            waker: Waker::new(self).await?,
+        })
+    }
+}
+
+/// A reusable waiter on one store (see [`Store::watch`]).
+pub struct Watch<'a> {
+    store: &'a Store,
+    waker: Waker,
+}
+
+impl Watch<'_> {
+    /// Waits until `session_id` passes `seq` (its head is greater), for at
+    /// most `timeout`; returns the head then, or `None` on timeout. The
+    /// head is read after the listener exists, so a commit between two
+    /// calls is never missed.
+    pub async fn wait_past(
+        &mut self,
+        session_id: Uuid,
+        seq: i64,
+        timeout: Duration,
+    ) -> Result<Option<i64>> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            let head = self.head_seq(session_id).await?;
+            let head = self.store.head_seq(session_id).await?;
             if head > seq {
                 return Ok(Some(head));
             }
-            if tokio::time::timeout_at(deadline, waker.wait())
+            if tokio::time::timeout_at(deadline, self.waker.wait())
                 .await
                 .is_err()
             {

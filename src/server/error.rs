@@ -1,0 +1,130 @@
+//! The one JSON error shape every endpoint answers with.
+//!
+//! A sidecar in any language branches on `error` (a stable code) and shows
+//! `message` (a sentence); validation failures add the rule, field and batch
+//! index of SEMANTICS §4, conflicts the seq to retry from. Internal details
+//! (SQL, driver errors) are logged, never sent: the client gets a sentence
+//! and a status.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Serialize;
+use tracing::{error, warn};
+use utoipa::ToSchema;
+
+use crate::{Error, ValidationError};
+
+/// The body of every error answer.
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize, ToSchema)]
+pub struct ErrorBody {
+    /// A stable code: `unauthorized`, `forbidden`, `not_found`,
+    /// `bad_request`, `unsupported_media_type`, `payload_too_large`,
+    /// `invalid`, `conflict`, `unavailable`, `timeout`, `internal`.
+    pub error: String,
+    /// One sentence saying what is wrong.
+    pub message: String,
+    /// For `invalid`: the SEMANTICS §4 rule broken (its kebab-case code).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rule: Option<String>,
+    /// For `invalid`: the field at fault, when one is.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+    /// For `invalid`: the index of the event in the batch (0-based).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub index: Option<usize>,
+    /// For `conflict`: the session's current seq; retry with it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub current_seq: Option<i64>,
+}
+
+/// An error answer: a status and an [`ErrorBody`].
+#[derive(Debug)]
+pub struct ApiError {
+    /// The HTTP status.
+    pub status: StatusCode,
+    /// The JSON body (boxed: errors travel in `Result`s that should stay
+    /// small).
+    pub body: Box<ErrorBody>,
+}
+
+impl ApiError {
+    /// An answer with no rule, field or seq.
+    pub fn new(status: StatusCode, code: &str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            body: Box::new(ErrorBody {
+                error: code.to_owned(),
+                message: message.into(),
+                rule: None,
+                field: None,
+                index: None,
+                current_seq: None,
+            }),
+        }
+    }
+
+    /// 400 with `bad_request`.
+    pub fn bad_request(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, "bad_request", message)
+    }
+
+    /// 404: a missing session and another tenant's answer the same.
+    pub fn not_found(session_id: impl std::fmt::Display) -> ApiError {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("session {session_id} not found"),
+        )
+    }
+
+    /// 422 naming the rule, field and index.
+    pub fn invalid(v: &ValidationError) -> ApiError {
+        let mut e = ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid", v.to_string());
+        e.body.rule = Some(v.rule.code().to_owned());
+        e.body.field = v.field.clone();
+        e.body.index = v.index;
+        e
+    }
+}
+
+impl From<Error> for ApiError {
+    fn from(e: Error) -> ApiError {
+        match e {
+            Error::Invalid(v) => ApiError::invalid(&v),
+            Error::Conflict { current, .. } => {
+                let mut a = ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string());
+                a.body.current_seq = Some(current);
+                a
+            }
+            Error::SessionNotFound(id) => ApiError::not_found(id),
+            Error::SeqOutOfRange { .. } => ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "seq_out_of_range",
+                e.to_string(),
+            ),
+            Error::Unavailable(_) | Error::RetriesExhausted { .. } => {
+                warn!(cause = %e, "storage unavailable");
+                ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "unavailable",
+                    "the database is unavailable; try again shortly",
+                )
+            }
+            Error::BadUrl(_) | Error::Database(_) | Error::Corrupt(_) => {
+                error!(cause = %e, "request failed in the store");
+                ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal",
+                    "the store failed to answer; the server log has the cause",
+                )
+            }
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body)).into_response()
+    }
+}

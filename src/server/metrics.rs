@@ -1,0 +1,139 @@
+//! Prometheus metrics of the server (`GET /metrics`, OpenMetrics text).
+//!
+//! Labels never name a tenant, a session or a tool: the endpoint is
+//! unauthenticated (scrapers rarely carry tokens) and must not leak who
+//! uses the store, and unbounded label values would grow without limit.
+
+use std::sync::atomic::AtomicI64;
+use std::sync::Mutex;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+/// The outcome of one append request.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabel {
+    /// `ok`, `replayed`, `conflict`, `invalid`, `not_found`, `error`.
+    pub outcome: String,
+}
+
+/// The route of a request (the matched pattern, not the path).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteLabel {
+    /// E.g. `/v1/sessions/{id}/events`.
+    pub route: String,
+    /// `GET`, `POST`.
+    pub method: String,
+    /// The status code.
+    pub status: u16,
+}
+
+/// Every metric the server exports.
+pub struct Metrics {
+    registry: Mutex<Registry>,
+    /// Append requests by outcome.
+    pub appends: Family<OutcomeLabel, Counter>,
+    /// Events written (replays excluded).
+    pub appended_events: Counter,
+    /// Appends refused because the expected seq was stale.
+    pub conflicts: Counter,
+    /// Refresh points written (each one rewrites a session's view).
+    pub refreshes: Counter,
+    /// Request latency by route, method and status.
+    pub request_seconds: Family<RouteLabel, Histogram>,
+    /// Append latency (the store call, commit included).
+    pub append_seconds: Histogram,
+    /// Delivery time minus `recorded_at` of events sent on streams.
+    pub subscription_lag_seconds: Histogram,
+    /// Open streams.
+    pub streams: Gauge<i64, AtomicI64>,
+}
+
+impl Metrics {
+    /// A registry with every metric registered.
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("session_store");
+        let appends = Family::<OutcomeLabel, Counter>::default();
+        let appended_events = Counter::default();
+        let conflicts = Counter::default();
+        let refreshes = Counter::default();
+        let request_seconds = Family::<RouteLabel, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.0005, 2.0, 16))
+        });
+        let append_seconds = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
+        let subscription_lag_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 16));
+        let streams = Gauge::<i64, AtomicI64>::default();
+        registry.register("appends", "Append requests by outcome", appends.clone());
+        registry.register(
+            "appended_events",
+            "Events written to the log (idempotent replays excluded)",
+            appended_events.clone(),
+        );
+        registry.register(
+            "append_conflicts",
+            "Appends refused because the expected seq was not the session's",
+            conflicts.clone(),
+        );
+        registry.register(
+            "view_refreshes",
+            "Refresh points written (prompts and mode switches)",
+            refreshes.clone(),
+        );
+        registry.register(
+            "http_request_duration_seconds",
+            "HTTP request latency by route, method and status",
+            request_seconds.clone(),
+        );
+        registry.register(
+            "append_duration_seconds",
+            "Latency of the store's append, commit included",
+            append_seconds.clone(),
+        );
+        registry.register(
+            "subscription_lag_seconds",
+            "Time from an event's recorded_at to its delivery on a stream",
+            subscription_lag_seconds.clone(),
+        );
+        registry.register("open_streams", "Open event streams", streams.clone());
+        Metrics {
+            registry: Mutex::new(registry),
+            appends,
+            appended_events,
+            conflicts,
+            refreshes,
+            request_seconds,
+            append_seconds,
+            subscription_lag_seconds,
+            streams,
+        }
+    }
+
+    /// Counts one append request's outcome.
+    pub fn append_outcome(&self, outcome: &str) {
+        self.appends
+            .get_or_create(&OutcomeLabel {
+                outcome: outcome.to_owned(),
+            })
+            .inc();
+    }
+
+    /// The OpenMetrics text of every metric.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        if let Ok(r) = self.registry.lock() {
+            // Writing into a String cannot fail.
+            let _ = prometheus_client::encoding::text::encode(&mut out, &r);
+        }
+        out
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Metrics {
+        Metrics::new()
+    }
+}

@@ -1,0 +1,982 @@
+//! The sidecar-facing HTTP server (`session-store serve`, docs/api.md).
+//!
+//! Sidecars in any language reach the store over JSON/HTTP. The server is a
+//! thin layer: every rule lives in the [`Store`] and the projector, so an
+//! answer over HTTP is the answer the CLI and the library give. What the
+//! layer adds is who may ask (bearer tokens with a tenant and scopes,
+//! [`auth`]), limits (body size, a per-request timeout), one JSON error
+//! shape ([`error`]), metrics ([`metrics`]), server-sent event streams and
+//! a graceful shutdown that lets every started append finish.
+//!
+//! Tenant isolation: a session belongs to the tenant whose token created
+//! it (recorded in the append's transaction, migration 0003). Another
+//! tenant's session answers 404 exactly like a missing one, on every
+//! route, so a token cannot even learn that it exists.
+
+pub mod auth;
+pub mod error;
+pub mod metrics;
+mod openapi;
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::rejection::{BytesRejection, QueryRejection};
+use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Query, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tokio::sync::{mpsc, watch, RwLock};
+use tokio_stream::wrappers::ReceiverStream;
+use tracing::{debug, info, warn};
+use utoipa::{IntoParams, ToSchema};
+use uuid::Uuid;
+
+use crate::error::{Rule, ValidationError};
+use crate::event::{parse_event_object, LineKind, NewEvent, StoredEvent};
+use crate::projector::{Activations, Context, SessionState};
+use crate::store::{Appended, Recovery, Store};
+use crate::Error;
+
+pub use auth::{Principal, Scope, Tokens};
+pub use error::{ApiError, ErrorBody};
+pub use metrics::Metrics;
+pub use openapi::openapi_json;
+
+/// The default largest request body: room for a batch of several events at
+/// the store's default 1 MiB per event.
+pub const DEFAULT_BODY_LIMIT: usize = 8 * 1024 * 1024;
+/// The default time a request may take before it answers 503 `timeout`.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// The default time shutdown waits for in-flight requests and appends.
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+/// The default page size of `GET …/events`.
+pub const DEFAULT_PAGE: i64 = 100;
+/// The largest page size of `GET …/events`.
+pub const MAX_PAGE: i64 = 1_000;
+/// How often an idle stream sends a keep-alive comment.
+const KEEP_ALIVE: Duration = Duration::from_secs(15);
+
+/// How the server behaves.
+#[derive(Debug)]
+pub struct ServerConfig {
+    /// The accepted tokens; `None` serves everyone as the default tenant
+    /// with every scope (only sensible on loopback, see docs/api.md).
+    pub tokens: Option<Tokens>,
+    /// The largest request body, in bytes.
+    pub body_limit: usize,
+    /// The longest a request may take to produce its answer.
+    pub request_timeout: Duration,
+    /// How long shutdown waits for in-flight work.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> ServerConfig {
+        ServerConfig {
+            tokens: None,
+            body_limit: DEFAULT_BODY_LIMIT,
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
+            shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
+        }
+    }
+}
+
+struct Inner {
+    store: Arc<Store>,
+    config: ServerConfig,
+    metrics: Metrics,
+    /// Turns true when shutdown starts: streams end, so connections drain.
+    shutdown: watch::Sender<bool>,
+    /// Every running append holds a read guard; shutdown takes the write
+    /// lock, so it returns only when they have all finished.
+    appends: Arc<RwLock<()>>,
+}
+
+/// The HTTP server over one [`Store`].
+#[derive(Clone)]
+pub struct Server {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Server")
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Server {
+    /// A server over `store`.
+    pub fn new(store: Arc<Store>, config: ServerConfig) -> Server {
+        let (shutdown, _) = watch::channel(false);
+        Server {
+            inner: Arc::new(Inner {
+                store,
+                config,
+                metrics: Metrics::new(),
+                shutdown,
+                appends: Arc::new(RwLock::new(())),
+            }),
+        }
+    }
+
+    /// The server's metrics (what `GET /metrics` encodes).
+    pub fn metrics(&self) -> &Metrics {
+        &self.inner.metrics
+    }
+
+    /// Every route, with limits, metrics and JSON fallbacks: a
+    /// `tower::Service` to serve or to call in-process.
+    pub fn router(&self) -> Router {
+        let timeout = self.inner.config.request_timeout;
+        Router::new()
+            .route("/v1/sessions/{id}/events", post(append).get(history))
+            .route("/v1/sessions/{id}/context", get(context))
+            .route("/v1/sessions/{id}/activations", get(activations))
+            .route("/v1/sessions/{id}/recover", get(recover))
+            .route("/v1/sessions/{id}/stream", get(stream))
+            .route("/healthz", get(healthz))
+            .route("/readyz", get(readyz))
+            .route("/metrics", get(metrics_text))
+            .route("/openapi.json", get(openapi_doc))
+            .route_layer(middleware::from_fn_with_state(self.clone(), track))
+            .fallback(not_found_route)
+            .method_not_allowed_fallback(method_not_allowed)
+            .layer(DefaultBodyLimit::max(self.inner.config.body_limit))
+            .layer(middleware::from_fn(move |req: Request, next: Next| {
+                with_timeout(timeout, req, next)
+            }))
+            .with_state(self.clone())
+    }
+
+    /// Serves on `listener` until `signal` completes, then shuts down
+    /// gracefully: stops accepting connections, ends streams, lets
+    /// in-flight requests answer and in-flight appends commit, for at most
+    /// the configured grace.
+    pub async fn serve(
+        self,
+        listener: tokio::net::TcpListener,
+        signal: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
+        let inner = self.inner.clone();
+        let grace = inner.config.shutdown_grace;
+        let app = self.router();
+        let notify = inner.shutdown.clone();
+        let graceful = axum::serve(listener, app).with_graceful_shutdown(async move {
+            signal.await;
+            info!("shutting down: finishing in-flight requests");
+            notify.send_replace(true);
+        });
+        let mut started = inner.shutdown.subscribe();
+        let cap = async move {
+            let _ = started.wait_for(|s| *s).await;
+            tokio::time::sleep(grace).await;
+        };
+        tokio::select! {
+            r = std::future::IntoFuture::into_future(graceful) => r?,
+            _ = cap => warn!(grace_s = grace.as_secs_f64(), "requests still open after the shutdown grace; closing them"),
+        }
+        // Appends run in their own tasks (a client hanging up must not cut
+        // one off); wait for the last to commit or fail.
+        if tokio::time::timeout(grace, inner.appends.write())
+            .await
+            .is_err()
+        {
+            warn!("appends still running after the shutdown grace");
+        }
+        info!("shut down");
+        Ok(())
+    }
+}
+
+/// Records every routed request's latency by route, method and status.
+async fn track(State(server): State<Server>, req: Request, next: Next) -> Response {
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_owned())
+        .unwrap_or_else(|| "unmatched".to_owned());
+    let method = req.method().as_str().to_owned();
+    let started = Instant::now();
+    let response = next.run(req).await;
+    let status = response.status().as_u16();
+    server
+        .inner
+        .metrics
+        .request_seconds
+        .get_or_create(&metrics::RouteLabel {
+            route: route.clone(),
+            method: method.clone(),
+            status,
+        })
+        .observe(started.elapsed().as_secs_f64());
+    debug!(%route, %method, status, elapsed_ms = started.elapsed().as_millis() as u64, "request");
+    response
+}
+
+/// Answers 503 `timeout` when a request takes longer than the limit to
+/// produce its answer (a stream's body is not limited, only its start).
+async fn with_timeout(limit: Duration, req: Request, next: Next) -> Response {
+    match tokio::time::timeout(limit, next.run(req)).await {
+        Ok(r) => r,
+        Err(_) => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "timeout",
+            format!(
+                "the request took longer than {} s; an append may still commit: retry it with the same event ids",
+                limit.as_secs_f64()
+            ),
+        )
+        .into_response(),
+    }
+}
+
+async fn not_found_route() -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        "no such route; the API is described at /openapi.json",
+    )
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "this route does not answer that method; see /openapi.json",
+    )
+}
+
+impl Server {
+    /// Who is calling: the token's principal, or the open principal when
+    /// the server has no tokens.
+    fn principal(&self, headers: &HeaderMap) -> Result<Principal, ApiError> {
+        match &self.inner.config.tokens {
+            None => Ok(Principal::open()),
+            Some(tokens) => tokens.authenticate(headers),
+        }
+    }
+
+    /// Authenticates, checks `scope`, parses the session id and checks that
+    /// the session exists and is the caller's tenant's (404 otherwise).
+    async fn session_for(
+        &self,
+        headers: &HeaderMap,
+        scope: Scope,
+        id: &str,
+    ) -> Result<(Principal, Uuid), ApiError> {
+        let principal = self.principal(headers)?;
+        principal.require(scope)?;
+        let session_id = parse_session_id(id)?;
+        match self.inner.store.session_owner(session_id).await? {
+            Some(owner) if owner == principal.tenant => Ok((principal, session_id)),
+            _ => Err(ApiError::not_found(session_id)),
+        }
+    }
+}
+
+fn parse_session_id(id: &str) -> Result<Uuid, ApiError> {
+    Uuid::parse_str(id).map_err(|_| {
+        let shown: String = id.chars().take(80).collect();
+        ApiError::bad_request(format!(
+            "{shown:?} is not a session id: session ids are UUIDs"
+        ))
+    })
+}
+
+fn query<T>(q: Result<Query<T>, QueryRejection>) -> Result<T, ApiError> {
+    q.map(|Query(t)| t)
+        .map_err(|e| ApiError::bad_request(format!("bad query string: {}", e.body_text())))
+}
+
+/// The body of `POST /v1/sessions/{id}/events`.
+#[derive(Debug, ToSchema)]
+#[allow(dead_code)] // Documents the request; parsing is by hand, for §4 errors.
+pub struct AppendRequest {
+    /// The seq the writer last saw: 0 for a new session.
+    expected_seq: i64,
+    /// The batch, appended atomically, in order. Each event is a SEMANTICS
+    /// §3 object: `type`, its payload, optionally `event_id` (give one so a
+    /// retry is idempotent); never `session_id` other than the path's,
+    /// `seq`, `position` or `recorded_at`.
+    events: Vec<EventInput>,
+}
+
+/// One event of an append batch: `type`, its payload and optionally
+/// `event_id`.
+#[derive(Debug, Serialize, ToSchema)]
+#[allow(dead_code)]
+pub struct EventInput {
+    /// Optional; generated when absent. Supply it to make retries safe.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    event_id: Option<Uuid>,
+    /// The type and payload.
+    #[serde(flatten)]
+    body: crate::event::EventBody,
+}
+
+/// The answer to an append.
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
+pub struct AppendResponse {
+    /// The session.
+    pub session_id: Uuid,
+    /// One entry per event of the batch, in order.
+    pub events: Vec<AppendedEvent>,
+    /// True when the whole batch was already stored (an idempotent retry)
+    /// and nothing was written; the ids and seqs are the stored ones.
+    pub replayed: bool,
+}
+
+/// What one appended event was given.
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
+pub struct AppendedEvent {
+    /// The event's id.
+    pub event_id: Uuid,
+    /// Its seq in the session.
+    pub seq: i64,
+    /// Its global position.
+    pub position: i64,
+}
+
+impl From<&Appended> for AppendedEvent {
+    fn from(a: &Appended) -> AppendedEvent {
+        AppendedEvent {
+            event_id: a.event_id,
+            seq: a.seq,
+            position: a.position,
+        }
+    }
+}
+
+/// Parses an append body into `(expected_seq, events)`, with the rule,
+/// field and batch index of whatever is wrong.
+fn parse_append(body: &[u8], session_id: Uuid) -> Result<(i64, Vec<NewEvent>), ApiError> {
+    let value: Value = serde_json::from_slice(body).map_err(|e| {
+        let mut a = ApiError::bad_request(format!("the body is not JSON: {e}"));
+        a.body.rule = Some(Rule::MalformedJson.code().to_owned());
+        a
+    })?;
+    let Value::Object(mut map) = value else {
+        let mut a = ApiError::bad_request(
+            "the body must be a JSON object: {\"expected_seq\": N, \"events\": [...]}",
+        );
+        a.body.rule = Some(Rule::MalformedJson.code().to_owned());
+        return Err(a);
+    };
+    let envelope = |rule: Rule, field: &str, message: String| {
+        ApiError::invalid(&ValidationError::new(rule, Some(field), message))
+    };
+    let expected_seq = match map.remove("expected_seq") {
+        None | Some(Value::Null) => {
+            return Err(envelope(
+                Rule::MissingField,
+                "expected_seq",
+                "missing field `expected_seq` (0 for a new session)".to_owned(),
+            ))
+        }
+        Some(Value::Number(n)) => match n.as_i64() {
+            Some(s) if s >= 0 => s,
+            _ => {
+                return Err(envelope(
+                    Rule::MistypedField,
+                    "expected_seq",
+                    format!("`expected_seq` must be a whole number ≥ 0, found {n}"),
+                ))
+            }
+        },
+        Some(other) => {
+            return Err(envelope(
+                Rule::MistypedField,
+                "expected_seq",
+                format!(
+                    "`expected_seq` must be a whole number ≥ 0, found {}",
+                    short(&other)
+                ),
+            ))
+        }
+    };
+    let events = match map.remove("events") {
+        None | Some(Value::Null) => {
+            return Err(envelope(
+                Rule::MissingField,
+                "events",
+                "missing field `events` (an array of events)".to_owned(),
+            ))
+        }
+        Some(Value::Array(a)) => a,
+        Some(other) => {
+            return Err(envelope(
+                Rule::MistypedField,
+                "events",
+                format!("`events` must be an array, found {}", short(&other)),
+            ))
+        }
+    };
+    if let Some(unknown) = map.keys().next() {
+        let unknown: String = unknown.chars().take(80).collect();
+        return Err(envelope(
+            Rule::UnknownField,
+            &unknown,
+            format!("unknown field `{unknown}`: the body has `expected_seq` and `events` only"),
+        ));
+    }
+    let mut batch = Vec::with_capacity(events.len());
+    for (i, e) in events.into_iter().enumerate() {
+        let Value::Object(obj) = e else {
+            return Err(ApiError::invalid(
+                &ValidationError::new(
+                    Rule::MalformedJson,
+                    None,
+                    format!("an event must be a JSON object, found {}", short(&e)),
+                )
+                .at_index(i),
+            ));
+        };
+        let parsed = parse_event_object(obj, LineKind::Append)
+            .map_err(|v| ApiError::invalid(&v.at_index(i)))?;
+        if let Some(other) = parsed.session_id {
+            if other != session_id {
+                return Err(ApiError::invalid(
+                    &ValidationError::new(
+                        Rule::UnknownField,
+                        Some("session_id"),
+                        format!(
+                            "`session_id` {other} differs from the session in the path ({session_id}); leave it out"
+                        ),
+                    )
+                    .at_index(i),
+                ));
+            }
+        }
+        batch.push(parsed.event);
+    }
+    Ok((expected_seq, batch))
+}
+
+/// A JSON value's kind, for error sentences (never the value itself,
+/// which may be huge).
+fn short(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
+    let ct = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let essence = ct.split(';').next().unwrap_or("").trim();
+    if essence.eq_ignore_ascii_case("application/json") {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            if ct.is_empty() {
+                "the body must be sent with `Content-Type: application/json`".to_owned()
+            } else {
+                let shown: String = ct.chars().take(80).collect();
+                format!("the body must be `application/json`, not {shown:?}")
+            },
+        ))
+    }
+}
+
+fn body_error(e: BytesRejection, limit: usize) -> ApiError {
+    if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+            format!("the body is over the limit of {limit} bytes; send smaller batches"),
+        )
+    } else {
+        ApiError::bad_request(format!("cannot read the body: {}", e.body_text()))
+    }
+}
+
+/// Appends a batch.
+#[utoipa::path(
+    post,
+    path = "/v1/sessions/{id}/events",
+    params(("id" = Uuid, Path, description = "The session")),
+    request_body = AppendRequest,
+    responses(
+        (status = 201, description = "Appended (or replayed: `replayed` is true)", body = AppendResponse),
+        (status = 400, description = "Not JSON, or a bad session id", body = ErrorBody),
+        (status = 401, description = "No or unknown token", body = ErrorBody),
+        (status = 403, description = "The token lacks `write`", body = ErrorBody),
+        (status = 404, description = "Another tenant's session", body = ErrorBody),
+        (status = 409, description = "`expected_seq` is stale; `current_seq` says where the session is", body = ErrorBody),
+        (status = 413, description = "The body is over the size limit", body = ErrorBody),
+        (status = 415, description = "Not `application/json`", body = ErrorBody),
+        (status = 422, description = "Breaks a SEMANTICS §4 rule: `rule`, `field`, `index`", body = ErrorBody),
+        (status = 503, description = "The database is unavailable, or the request timed out", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+async fn append(
+    State(server): State<Server>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let principal = server.principal(&headers)?;
+    principal.require(Scope::Write)?;
+    let session_id = parse_session_id(&id)?;
+    require_json(&headers)?;
+    let body = body.map_err(|e| body_error(e, server.inner.config.body_limit))?;
+    let (expected_seq, events) = parse_append(&body, session_id).inspect_err(|_| {
+        server.inner.metrics.append_outcome("invalid");
+    })?;
+    let refreshes = events.iter().filter(|e| e.body.is_refresh_point()).count() as u64;
+    let n = events.len() as u64;
+
+    // The append runs in its own task: a client hanging up or the request
+    // timeout must not cut it off between "committed" and "answered"
+    // (retries are idempotent, but a finished append is cheaper), and
+    // shutdown waits for it.
+    let guard = server.inner.appends.clone().read_owned().await;
+    let store = server.inner.store.clone();
+    let tenant = principal.tenant.clone();
+    let started = Instant::now();
+    let task = tokio::spawn(async move {
+        let r = store
+            .append_as(Some(&tenant), session_id, expected_seq, events)
+            .await;
+        drop(guard);
+        r
+    });
+    let result = task.await.map_err(|e| {
+        warn!(cause = %e, "append task failed");
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "the append failed unexpectedly; the server log has the cause",
+        )
+    })?;
+    let m = &server.inner.metrics;
+    m.append_seconds.observe(started.elapsed().as_secs_f64());
+    match result {
+        Ok(outcome) => {
+            if outcome.replayed {
+                m.append_outcome("replayed");
+            } else {
+                m.append_outcome("ok");
+                m.appended_events.inc_by(n);
+                m.refreshes.inc_by(refreshes);
+            }
+            let body = AppendResponse {
+                session_id,
+                events: outcome.events.iter().map(AppendedEvent::from).collect(),
+                replayed: outcome.replayed,
+            };
+            Ok((StatusCode::CREATED, Json(body)).into_response())
+        }
+        Err(e) => {
+            m.append_outcome(match &e {
+                Error::Conflict { .. } => "conflict",
+                Error::Invalid(_) => "invalid",
+                Error::SessionNotFound(_) => "not_found",
+                _ => "error",
+            });
+            if matches!(e, Error::Conflict { .. }) {
+                m.conflicts.inc();
+            }
+            Err(e.into())
+        }
+    }
+}
+
+/// Query of `GET …/events`.
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct HistoryQuery {
+    /// Events with a greater seq (0, the beginning, by default).
+    after_seq: Option<i64>,
+    /// At most this many (100 by default, at most 1000).
+    limit: Option<i64>,
+}
+
+/// One page of a session's history.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct HistoryPage {
+    /// The session.
+    pub session_id: Uuid,
+    /// The events, in seq order.
+    pub events: Vec<StoredEvent>,
+    /// Pass as `after_seq` for the next page; `null` when this page is the
+    /// last one.
+    pub next_after_seq: Option<i64>,
+}
+
+/// A session's events in seq order, a page at a time.
+#[utoipa::path(
+    get,
+    path = "/v1/sessions/{id}/events",
+    params(("id" = Uuid, Path, description = "The session"), HistoryQuery),
+    responses(
+        (status = 200, body = HistoryPage),
+        (status = 400, description = "Bad id or query", body = ErrorBody),
+        (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+async fn history(
+    State(server): State<Server>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    q: Result<Query<HistoryQuery>, QueryRejection>,
+) -> Result<Json<HistoryPage>, ApiError> {
+    let (_, session_id) = server.session_for(&headers, Scope::Read, &id).await?;
+    let q = query(q)?;
+    let after = q.after_seq.unwrap_or(0);
+    if after < 0 {
+        return Err(ApiError::bad_request("`after_seq` must be ≥ 0"));
+    }
+    let limit = q.limit.unwrap_or(DEFAULT_PAGE);
+    if !(1..=MAX_PAGE).contains(&limit) {
+        return Err(ApiError::bad_request(format!(
+            "`limit` must be between 1 and {MAX_PAGE}"
+        )));
+    }
+    // One more than asked tells whether another page exists.
+    let mut events = server
+        .inner
+        .store
+        .history(session_id, after, limit + 1)
+        .await?;
+    let more = events.len() as i64 > limit;
+    events.truncate(limit as usize);
+    let next_after_seq = if more {
+        events.last().map(|e| e.seq)
+    } else {
+        None
+    };
+    Ok(Json(HistoryPage {
+        session_id,
+        events,
+        next_after_seq,
+    }))
+}
+
+/// Query of the "as of" reads.
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct AtSeqQuery {
+    /// Answer as of this seq (1 to the latest) instead of the latest.
+    at_seq: Option<i64>,
+}
+
+/// The effective context (SEMANTICS §5, shape §9).
+#[utoipa::path(
+    get,
+    path = "/v1/sessions/{id}/context",
+    params(("id" = Uuid, Path, description = "The session"), AtSeqQuery),
+    responses(
+        (status = 200, body = Context),
+        (status = 400, body = ErrorBody),
+        (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+        (status = 422, description = "`at_seq` out of range (`seq_out_of_range`)", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+async fn context(
+    State(server): State<Server>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    q: Result<Query<AtSeqQuery>, QueryRejection>,
+) -> Result<Json<Context>, ApiError> {
+    let (_, session_id) = server.session_for(&headers, Scope::Read, &id).await?;
+    let q = query(q)?;
+    Ok(Json(
+        server.inner.store.context(session_id, q.at_seq).await?,
+    ))
+}
+
+/// The deferred activation set (SEMANTICS §7, shape §9).
+#[utoipa::path(
+    get,
+    path = "/v1/sessions/{id}/activations",
+    params(("id" = Uuid, Path, description = "The session"), AtSeqQuery),
+    responses(
+        (status = 200, body = Activations),
+        (status = 400, body = ErrorBody),
+        (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+        (status = 422, description = "`at_seq` out of range (`seq_out_of_range`)", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+async fn activations(
+    State(server): State<Server>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    q: Result<Query<AtSeqQuery>, QueryRejection>,
+) -> Result<Json<Activations>, ApiError> {
+    let (_, session_id) = server.session_for(&headers, Scope::Read, &id).await?;
+    let q = query(q)?;
+    Ok(Json(
+        server.inner.store.activations(session_id, q.at_seq).await?,
+    ))
+}
+
+/// What a restarting sidecar needs (SEMANTICS §8).
+#[utoipa::path(
+    get,
+    path = "/v1/sessions/{id}/recover",
+    params(("id" = Uuid, Path, description = "The session")),
+    responses(
+        (status = 200, body = Recovery),
+        (status = 400, body = ErrorBody),
+        (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+async fn recover(
+    State(server): State<Server>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Recovery>, ApiError> {
+    let (_, session_id) = server.session_for(&headers, Scope::Read, &id).await?;
+    Ok(Json(server.inner.store.recover(session_id).await?))
+}
+
+/// Query of the stream.
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct StreamQuery {
+    /// Replay the events after this seq first (`Last-Event-ID` wins when
+    /// both are given). Without either, the stream starts at the latest
+    /// event with the current activation set.
+    after_seq: Option<i64>,
+}
+
+/// Server-sent events of the session: `event: event` for each new event
+/// (`id` its seq, data the stored event), `event: activations` after each
+/// refresh point (data the §9 activations object).
+#[utoipa::path(
+    get,
+    path = "/v1/sessions/{id}/stream",
+    params(
+        ("id" = Uuid, Path, description = "The session"),
+        ("Last-Event-ID" = Option<i64>, Header, description = "Resume after this seq (the last `id` received)"),
+        StreamQuery
+    ),
+    responses(
+        (status = 200, description = "`text/event-stream`", content_type = "text/event-stream", body = String),
+        (status = 400, body = ErrorBody),
+        (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+        (status = 422, description = "The cursor is past the latest event", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+async fn stream(
+    State(server): State<Server>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    q: Result<Query<StreamQuery>, QueryRejection>,
+) -> Result<Response, ApiError> {
+    let (_, session_id) = server.session_for(&headers, Scope::Read, &id).await?;
+    let q = query(q)?;
+    let last_event_id = match headers.get("last-event-id") {
+        None => None,
+        Some(v) => Some(
+            v.to_str()
+                .ok()
+                .and_then(|s| s.trim().parse::<i64>().ok())
+                .filter(|s| *s >= 0)
+                .ok_or_else(|| {
+                    ApiError::bad_request("`Last-Event-ID` must be a seq (a whole number ≥ 0)")
+                })?,
+        ),
+    };
+    if q.after_seq.is_some_and(|s| s < 0) {
+        return Err(ApiError::bad_request("`after_seq` must be ≥ 0"));
+    }
+    let store = &server.inner.store;
+    let (state, announce) = match last_event_id.or(q.after_seq) {
+        Some(0) => (SessionState::empty(session_id), false),
+        Some(after) => (store.state(session_id, Some(after)).await?, false),
+        None => (store.state(session_id, None).await?, true),
+    };
+    let (tx, rx) = mpsc::channel::<Result<SseEvent, Infallible>>(64);
+    tokio::spawn(feed_stream(server.clone(), session_id, state, announce, tx));
+    Ok(Sse::new(ReceiverStream::new(rx))
+        .keep_alive(KeepAlive::new().interval(KEEP_ALIVE))
+        .into_response())
+}
+
+fn sse_json<T: Serialize>(kind: &str, id: i64, value: &T) -> SseEvent {
+    // Our types always serialize; an empty object would be the fallback.
+    let data = serde_json::to_string(value).unwrap_or_else(|_| "{}".to_owned());
+    SseEvent::default()
+        .event(kind)
+        .id(id.to_string())
+        .data(data)
+}
+
+/// Sends a session's events from `state.seq` on, then waits for more,
+/// until the client hangs up or the server shuts down.
+async fn feed_stream(
+    server: Server,
+    session_id: Uuid,
+    mut state: SessionState,
+    announce: bool,
+    tx: mpsc::Sender<Result<SseEvent, Infallible>>,
+) {
+    let inner = server.inner.clone();
+    let metrics = &inner.metrics;
+    metrics.streams.inc();
+    let mut shutdown = inner.shutdown.subscribe();
+    let store = inner.store.clone();
+    let run = async {
+        if announce
+            && tx
+                .send(Ok(sse_json("activations", state.seq, &state.activations())))
+                .await
+                .is_err()
+        {
+            return;
+        }
+        let mut watch = match store.watch().await {
+            Ok(w) => w,
+            Err(e) => {
+                warn!(cause = %e, "cannot watch the session");
+                let _ = tx
+                    .send(Ok(sse_json("error", state.seq, &ApiError::from(e).body)))
+                    .await;
+                return;
+            }
+        };
+        loop {
+            // Catch up page by page, then wait for the head to move.
+            loop {
+                let page = match store.history(session_id, state.seq, 500).await {
+                    Ok(p) => p,
+                    Err(e) => {
+                        warn!(cause = %e, "stream read failed; retrying");
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                        continue;
+                    }
+                };
+                if page.is_empty() {
+                    break;
+                }
+                for ev in &page {
+                    state.apply(ev);
+                    let lag = (chrono::Utc::now() - ev.recorded_at).num_milliseconds();
+                    metrics
+                        .subscription_lag_seconds
+                        .observe(lag.max(0) as f64 / 1000.0);
+                    if tx.send(Ok(sse_json("event", ev.seq, ev))).await.is_err() {
+                        return;
+                    }
+                    if ev.body.is_refresh_point()
+                        && tx
+                            .send(Ok(sse_json("activations", ev.seq, &state.activations())))
+                            .await
+                            .is_err()
+                    {
+                        return;
+                    }
+                }
+            }
+            tokio::select! {
+                _ = tx.closed() => return,
+                r = watch.wait_past(session_id, state.seq, KEEP_ALIVE) => {
+                    if let Err(e) = r {
+                        debug!(cause = %e, "stream wait failed; retrying");
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                }
+            }
+        }
+    };
+    tokio::select! {
+        _ = run => {}
+        _ = shutdown.wait_for(|s| *s) => debug!("stream closed by shutdown"),
+    }
+    metrics.streams.dec();
+}
+
+/// Liveness: the process answers.
+#[utoipa::path(get, path = "/healthz", responses((status = 200, description = "Alive", body = Health)))]
+async fn healthz() -> Json<Health> {
+    Json(Health { status: "ok" })
+}
+
+/// Liveness and readiness answers.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Health {
+    /// `ok` or `ready`.
+    pub status: &'static str,
+}
+
+/// Readiness: the database answers a read.
+#[utoipa::path(
+    get,
+    path = "/readyz",
+    responses(
+        (status = 200, description = "The database answers", body = Health),
+        (status = 503, description = "It does not", body = ErrorBody),
+    )
+)]
+async fn readyz(State(server): State<Server>) -> Result<Json<Health>, ApiError> {
+    server.inner.store.head_seq(Uuid::nil()).await?;
+    Ok(Json(Health { status: "ready" }))
+}
+
+/// Prometheus metrics (OpenMetrics text); no labels name tenants,
+/// sessions or tools.
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    responses((status = 200, description = "OpenMetrics text", content_type = "application/openmetrics-text", body = String))
+)]
+async fn metrics_text(State(server): State<Server>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        server.inner.metrics.encode(),
+    )
+        .into_response()
+}
+
+/// This API's OpenAPI 3 document.
+#[utoipa::path(
+    get,
+    path = "/openapi.json",
+    responses((status = 200, description = "The document", content_type = "application/json", body = Object))
+)]
+async fn openapi_doc() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], openapi_json()).into_response()
+}
