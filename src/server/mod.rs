@@ -284,6 +284,24 @@ impl Server {
     }
 }
 
+/// The `{id}` of a session route, raw: parsed by [`parse_session_id`] so a
+/// bad one answers the JSON error shape (axum's own rejection is text).
+struct SessionPath(String);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for SessionPath {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<SessionPath, ApiError> {
+        Path::<String>::from_request_parts(parts, state)
+            .await
+            .map(|Path(id)| SessionPath(id))
+            .map_err(|e| ApiError::bad_request(format!("bad session id: {}", e.body_text())))
+    }
+}
+
 fn parse_session_id(id: &str) -> Result<Uuid, ApiError> {
     Uuid::parse_str(id).map_err(|_| {
         let shown: String = id.chars().take(80).collect();
@@ -532,7 +550,7 @@ fn body_error(e: BytesRejection, limit: usize) -> ApiError {
 async fn append(
     State(server): State<Server>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    SessionPath(id): SessionPath,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let principal = server.principal(&headers)?;
@@ -642,7 +660,7 @@ pub struct HistoryPage {
 async fn history(
     State(server): State<Server>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    SessionPath(id): SessionPath,
     q: Result<Query<HistoryQuery>, QueryRejection>,
 ) -> Result<Json<HistoryPage>, ApiError> {
     let (_, session_id) = server.session_for(&headers, Scope::Read, &id).await?;
@@ -704,7 +722,7 @@ pub struct AtSeqQuery {
 async fn context(
     State(server): State<Server>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    SessionPath(id): SessionPath,
     q: Result<Query<AtSeqQuery>, QueryRejection>,
 ) -> Result<Json<Context>, ApiError> {
     let (_, session_id) = server.session_for(&headers, Scope::Read, &id).await?;
@@ -732,7 +750,7 @@ async fn context(
 async fn activations(
     State(server): State<Server>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    SessionPath(id): SessionPath,
     q: Result<Query<AtSeqQuery>, QueryRejection>,
 ) -> Result<Json<Activations>, ApiError> {
     let (_, session_id) = server.session_for(&headers, Scope::Read, &id).await?;
@@ -759,7 +777,7 @@ async fn activations(
 async fn recover(
     State(server): State<Server>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    SessionPath(id): SessionPath,
 ) -> Result<Json<Recovery>, ApiError> {
     let (_, session_id) = server.session_for(&headers, Scope::Read, &id).await?;
     Ok(Json(server.inner.store.recover(session_id).await?))
@@ -800,7 +818,7 @@ pub struct StreamQuery {
 async fn stream(
     State(server): State<Server>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    SessionPath(id): SessionPath,
     q: Result<Query<StreamQuery>, QueryRejection>,
 ) -> Result<Response, ApiError> {
     let (_, session_id) = server.session_for(&headers, Scope::Read, &id).await?;

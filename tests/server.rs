@@ -1,0 +1,860 @@
+//! The HTTP API in-process (`tower::ServiceExt::oneshot`), on both backends:
+//! every status code the API documents, authentication and tenant
+//! isolation, bad input that must change nothing, the SSE stream with
+//! `Last-Event-ID`, the request timeout and the graceful shutdown.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{header, Method, Request, StatusCode};
+use axum::Router;
+use http_body_util::BodyExt;
+use serde_json::{json, Value};
+use session_store::server::{Server, ServerConfig, Tokens};
+use session_store::{Store, StoreOptions};
+use tower::ServiceExt;
+use uuid::Uuid;
+
+const TOKENS: &str = r#"{"tokens": [
+  {"token": "tenant-a-writer-0123456789", "tenant": "a", "scopes": ["read", "write"]},
+  {"token": "tenant-a-reader-0123456789", "tenant": "a", "scopes": ["read"]},
+  {"token": "tenant-b-writer-0123456789", "tenant": "b", "scopes": ["read", "write"]}
+]}"#;
+const A_WRITER: &str = "tenant-a-writer-0123456789";
+const A_READER: &str = "tenant-a-reader-0123456789";
+const B_WRITER: &str = "tenant-b-writer-0123456789";
+
+async fn open(url: &str, options: StoreOptions) -> Arc<Store> {
+    Arc::new(Store::open_with(url, options).await.expect("open store"))
+}
+
+fn router(store: &Arc<Store>, config: ServerConfig) -> Router {
+    Server::new(store.clone(), config).router()
+}
+
+fn with_tokens() -> ServerConfig {
+    ServerConfig {
+        tokens: Some(Tokens::parse(TOKENS, "the test tokens").expect("tokens")),
+        ..ServerConfig::default()
+    }
+}
+
+/// One request; answers the status, the body as JSON (Null when it is
+/// not JSON) and the raw text.
+async fn call(
+    app: &Router,
+    method: Method,
+    uri: &str,
+    token: Option<&str>,
+    content_type: Option<&str>,
+    body: impl Into<Body>,
+) -> (StatusCode, Value, String) {
+    let mut req = Request::builder().method(method).uri(uri);
+    if let Some(t) = token {
+        req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
+    }
+    if let Some(ct) = content_type {
+        req = req.header(header::CONTENT_TYPE, ct);
+    }
+    let response = app
+        .clone()
+        .oneshot(req.body(body.into()).unwrap())
+        .await
+        .unwrap();
+    let status = response.status();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    let text = String::from_utf8_lossy(&bytes).into_owned();
+    let value = serde_json::from_str(&text).unwrap_or(Value::Null);
+    (status, value, text)
+}
+
+async fn get(app: &Router, uri: &str, token: Option<&str>) -> (StatusCode, Value) {
+    let (s, v, _) = call(app, Method::GET, uri, token, None, Body::empty()).await;
+    (s, v)
+}
+
+async fn post(app: &Router, uri: &str, token: Option<&str>, body: &Value) -> (StatusCode, Value) {
+    let (s, v, _) = call(
+        app,
+        Method::POST,
+        uri,
+        token,
+        Some("application/json"),
+        body.to_string(),
+    )
+    .await;
+    (s, v)
+}
+
+fn events_uri(id: Uuid) -> String {
+    format!("/v1/sessions/{id}/events")
+}
+
+/// A session that searched for `web_fetch` and was then prompted again.
+fn searched_batch() -> Value {
+    json!([
+        {"type": "session_started", "mode": "code"},
+        {"type": "catalog_defined", "mode": "code", "deferred_tools": ["web_fetch", "grep"]},
+        {"type": "prompt_submitted", "text": "find the docs"},
+        {"type": "tool_call", "call_id": "c1", "tool_name": "ToolSearch", "input": {"query": "fetch"}},
+        {"type": "tool_result", "call_id": "c1", "tool_name": "ToolSearch", "status": "success",
+         "added_tool_names": ["web_fetch"], "output": "found web_fetch"},
+        {"type": "prompt_submitted", "text": "now fetch them"}
+    ])
+}
+
+/// Asserts an error answer: the status, the stable code, a sentence.
+fn assert_error(status: StatusCode, body: &Value, want: StatusCode, code: &str) {
+    assert_eq!(status, want, "status of {body}");
+    assert_eq!(body["error"], code, "error code of {body}");
+    let message = body["message"].as_str().unwrap_or_default();
+    assert!(message.len() > 10, "a sentence, not {body}");
+}
+
+both_backends!(every_documented_status, |url: String| async move {
+    let store = open(&url, StoreOptions::default()).await;
+    let app = router(
+        &store,
+        ServerConfig {
+            body_limit: 64 * 1024,
+            ..ServerConfig::default()
+        },
+    );
+    let id = Uuid::new_v4();
+    let uri = events_uri(id);
+
+    // 201: each event's id and seq.
+    let mut batch = searched_batch();
+    let ids: Vec<Uuid> = (0..6).map(|_| Uuid::new_v4()).collect();
+    for (e, i) in batch.as_array_mut().unwrap().iter_mut().zip(&ids) {
+        e["event_id"] = json!(i);
+    }
+    let body = json!({"expected_seq": 0, "events": batch});
+    let (s, v) = post(&app, &uri, None, &body).await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    assert_eq!(v["session_id"], json!(id));
+    assert_eq!(v["replayed"], false);
+    let seqs: Vec<i64> = v["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["seq"].as_i64().unwrap())
+        .collect();
+    assert_eq!(seqs, [1, 2, 3, 4, 5, 6]);
+    assert_eq!(v["events"][4]["event_id"], json!(ids[4]));
+
+    // The same batch again: an idempotent retry (SEMANTICS §2), same seqs.
+    let (s, v2) = post(&app, &uri, None, &body).await;
+    assert_eq!(s, StatusCode::CREATED, "{v2}");
+    assert_eq!(v2["replayed"], true);
+    assert_eq!(v2["events"], v["events"]);
+    assert_eq!(store.head_seq(id).await.unwrap(), 6);
+
+    // 409 with the current seq.
+    let stale =
+        json!({"expected_seq": 3, "events": [{"type": "prompt_submitted", "text": "late"}]});
+    let (s, v) = post(&app, &uri, None, &stale).await;
+    assert_error(s, &v, StatusCode::CONFLICT, "conflict");
+    assert_eq!(v["current_seq"], 6);
+
+    // 422 naming the rule, field and batch index.
+    let bad = json!({"expected_seq": 6, "events": [
+        {"type": "prompt_submitted", "text": "ok"},
+        {"type": "tool_result", "call_id": "nope", "tool_name": "grep", "status": "success"}
+    ]});
+    let (s, v) = post(&app, &uri, None, &bad).await;
+    assert_error(s, &v, StatusCode::UNPROCESSABLE_ENTITY, "invalid");
+    assert_eq!(v["index"], 1, "{v}");
+    assert_eq!(v["field"], "call_id", "{v}");
+    assert!(v["rule"].as_str().is_some_and(|r| !r.is_empty()), "{v}");
+    let (s, v) = post(
+        &app,
+        &uri,
+        None,
+        &json!({"expected_seq": 6, "events": [{"type": "prompt_submitted"}]}),
+    )
+    .await;
+    assert_error(s, &v, StatusCode::UNPROCESSABLE_ENTITY, "invalid");
+    assert_eq!(
+        (v["rule"].as_str(), v["field"].as_str(), v["index"].as_i64()),
+        (Some("missing-field"), Some("text"), Some(0))
+    );
+
+    // 413 over the body limit.
+    let huge = json!({"expected_seq": 6, "events": [{"type": "prompt_submitted", "text": "x".repeat(100_000)}]});
+    let (s, v) = post(&app, &uri, None, &huge).await;
+    assert_error(s, &v, StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large");
+
+    // 415 without JSON, 400 for malformed JSON and bad ids.
+    let (s, v, _) = call(&app, Method::POST, &uri, None, Some("text/plain"), "{}").await;
+    assert_error(
+        s,
+        &v,
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "unsupported_media_type",
+    );
+    let (s, v, _) = call(
+        &app,
+        Method::POST,
+        &uri,
+        None,
+        Some("application/json"),
+        "{\"expected_seq\": 6,",
+    )
+    .await;
+    assert_error(s, &v, StatusCode::BAD_REQUEST, "bad_request");
+    assert_eq!(v["rule"], "malformed-json");
+    let (s, v) = get(&app, "/v1/sessions/not-a-uuid/context", None).await;
+    assert_error(s, &v, StatusCode::BAD_REQUEST, "bad_request");
+
+    // 200 reads in the §9 shapes.
+    let (s, v) = get(&app, &format!("/v1/sessions/{id}/activations"), None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(
+        v,
+        json!({"session_id": id, "as_of_seq": 6, "mode": "code",
+               "tools": [{"name": "web_fetch", "evidence_seq": 5}]})
+    );
+    let (s, v) = get(
+        &app,
+        &format!("/v1/sessions/{id}/activations?at_seq=4"),
+        None,
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["tools"], json!([]), "no evidence before the result");
+    let (s, v) = get(&app, &format!("/v1/sessions/{id}/context?at_seq=3"), None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["as_of_seq"], 3);
+    assert_eq!(v["summary"], Value::Null);
+    assert_eq!(v["rows"].as_array().unwrap().len(), 1, "{v}");
+    assert_eq!(v["rows"][0]["text"], "find the docs");
+    let (s, v) = get(&app, &format!("/v1/sessions/{id}/recover"), None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(v["latest_seq"], 6);
+    assert_eq!(v["catalog"], json!(["web_fetch", "grep"]));
+    assert_eq!(v["tools"][0]["name"], "web_fetch");
+
+    // History pages.
+    let (s, v) = get(&app, &format!("{uri}?after_seq=1&limit=2"), None).await;
+    assert_eq!(s, StatusCode::OK);
+    let page: Vec<i64> = v["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["seq"].as_i64().unwrap())
+        .collect();
+    assert_eq!(page, [2, 3]);
+    assert_eq!(v["next_after_seq"], 3);
+    let (_, v) = get(&app, &format!("{uri}?after_seq=3&limit=1000"), None).await;
+    assert_eq!(v["events"].as_array().unwrap().len(), 3);
+    assert_eq!(v["next_after_seq"], Value::Null);
+    let (s, v) = get(&app, &format!("{uri}?limit=1001"), None).await;
+    assert_error(s, &v, StatusCode::BAD_REQUEST, "bad_request");
+    let (s, v) = get(&app, &format!("{uri}?limit=ten"), None).await;
+    assert_error(s, &v, StatusCode::BAD_REQUEST, "bad_request");
+
+    // 422 for a seq out of range; 404 for a missing session and route;
+    // 405 for a wrong method.
+    let (s, v) = get(&app, &format!("/v1/sessions/{id}/context?at_seq=7"), None).await;
+    assert_error(s, &v, StatusCode::UNPROCESSABLE_ENTITY, "seq_out_of_range");
+    for path in ["context", "activations", "recover", "events", "stream"] {
+        let (s, v) = get(
+            &app,
+            &format!("/v1/sessions/{}/{path}", Uuid::new_v4()),
+            None,
+        )
+        .await;
+        assert_error(s, &v, StatusCode::NOT_FOUND, "not_found");
+    }
+    let (s, v) = get(&app, "/v2/nothing", None).await;
+    assert_error(s, &v, StatusCode::NOT_FOUND, "not_found");
+    let (s, v, _) = call(&app, Method::DELETE, &uri, None, None, Body::empty()).await;
+    assert_error(s, &v, StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed");
+
+    // Health, readiness, metrics, the OpenAPI document.
+    assert_eq!(get(&app, "/healthz", None).await.0, StatusCode::OK);
+    let (s, v) = get(&app, "/readyz", None).await;
+    assert_eq!((s, v["status"].as_str()), (StatusCode::OK, Some("ready")));
+    let (s, _, text) = call(&app, Method::GET, "/metrics", None, None, Body::empty()).await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(
+        text.contains("session_store_appends_total{outcome=\"ok\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("session_store_appends_total{outcome=\"replayed\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("session_store_append_conflicts_total 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("session_store_appended_events_total 6"),
+        "{text}"
+    );
+    assert!(
+        text.contains("session_store_view_refreshes_total 2"),
+        "{text}"
+    );
+    assert!(text.contains("session_store_http_request_duration_seconds_count{route=\"/v1/sessions/{id}/events\",method=\"POST\",status=\"409\"} 1"), "{text}");
+    let (s, v) = get(&app, "/openapi.json", None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(v["openapi"].as_str().unwrap().starts_with("3."));
+    assert!(v["paths"]["/v1/sessions/{id}/stream"]["get"].is_object());
+});
+
+both_backends!(
+    readyz_answers_503_when_the_database_is_gone,
+    |url: String| async move {
+        let store = open(
+            &url,
+            StoreOptions {
+                connect_timeout_secs: 1,
+                ..StoreOptions::default()
+            },
+        )
+        .await;
+        let app = router(&store, ServerConfig::default());
+        assert_eq!(get(&app, "/readyz", None).await.0, StatusCode::OK);
+        store.close().await;
+        let (s, v) = get(&app, "/readyz", None).await;
+        assert_error(s, &v, StatusCode::SERVICE_UNAVAILABLE, "unavailable");
+        let (s, v) = post(
+            &app,
+            &events_uri(Uuid::new_v4()),
+            None,
+            &json!({"expected_seq": 0, "events": [{"type": "session_started", "mode": "m"}]}),
+        )
+        .await;
+        assert_error(s, &v, StatusCode::SERVICE_UNAVAILABLE, "unavailable");
+    }
+);
+
+both_backends!(tokens_scopes_and_tenants, |url: String| async move {
+    let store = open(&url, StoreOptions::default()).await;
+    let app = router(&store, with_tokens());
+    let id = Uuid::new_v4();
+    let uri = events_uri(id);
+    let body = json!({"expected_seq": 0, "events": searched_batch()});
+
+    // 401 without a token, with an unknown one, with a malformed header.
+    let (s, v) = post(&app, &uri, None, &body).await;
+    assert_error(s, &v, StatusCode::UNAUTHORIZED, "unauthorized");
+    let (s, v) = post(&app, &uri, Some("tenant-a-writer-0123456788"), &body).await;
+    assert_error(s, &v, StatusCode::UNAUTHORIZED, "unauthorized");
+    assert!(
+        !v.to_string().contains("0123456788"),
+        "the token is not echoed: {v}"
+    );
+    let (s, v, _) = call(&app, Method::GET, "/readyz", None, None, Body::empty()).await;
+    assert_eq!(s, StatusCode::OK, "probes need no token: {v}");
+    // 403 without the scope.
+    let (s, v) = post(&app, &uri, Some(A_READER), &body).await;
+    assert_error(s, &v, StatusCode::FORBIDDEN, "forbidden");
+    assert_eq!(store.head_seq(id).await.unwrap(), 0, "nothing written");
+
+    let (s, v) = post(&app, &uri, Some(A_WRITER), &body).await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    assert_eq!(store.session_owner(id).await.unwrap().as_deref(), Some("a"));
+    let (s, v) = get(
+        &app,
+        &format!("/v1/sessions/{id}/activations"),
+        Some(A_READER),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["tools"][0]["name"], "web_fetch");
+
+    // Tenant b: a's session answers exactly like a missing one, on reads
+    // and on appends at any expected seq (a 409 would tell it exists).
+    let missing = Uuid::new_v4();
+    for path in ["context", "activations", "recover", "events", "stream"] {
+        let (s, theirs) = get(&app, &format!("/v1/sessions/{id}/{path}"), Some(B_WRITER)).await;
+        let (s2, none) = get(
+            &app,
+            &format!("/v1/sessions/{missing}/{path}"),
+            Some(B_WRITER),
+        )
+        .await;
+        assert_eq!(
+            (s, s2),
+            (StatusCode::NOT_FOUND, StatusCode::NOT_FOUND),
+            "{path}"
+        );
+        assert_eq!(
+            theirs.to_string().replace(&id.to_string(), "ID"),
+            none.to_string().replace(&missing.to_string(), "ID"),
+            "{path}"
+        );
+    }
+    for expected in [0, 3, 6] {
+        let b = json!({"expected_seq": expected, "events": [{"type": "prompt_submitted", "text": "hijack"}]});
+        let (s, v) = post(&app, &uri, Some(B_WRITER), &b).await;
+        assert_error(s, &v, StatusCode::NOT_FOUND, "not_found");
+    }
+    assert_eq!(store.head_seq(id).await.unwrap(), 6, "b wrote nothing");
+
+    // b's own session is b's; a cannot see it.
+    let mine = Uuid::new_v4();
+    let (s, _) = post(&app, &events_uri(mine), Some(B_WRITER), &body).await;
+    assert_eq!(s, StatusCode::CREATED);
+    let (s, _) = get(
+        &app,
+        &format!("/v1/sessions/{mine}/recover"),
+        Some(A_WRITER),
+    )
+    .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+
+    // A session written by the CLI or the library is the default tenant's:
+    // invisible to a and b, visible to a server without tokens.
+    let operator = Uuid::new_v4();
+    store
+        .append(
+            operator,
+            0,
+            vec![session_store::NewEvent::new(
+                session_store::EventBody::SessionStarted {
+                    mode: "m".into(),
+                    metadata: None,
+                },
+            )],
+        )
+        .await
+        .unwrap();
+    let (s, _) = get(
+        &app,
+        &format!("/v1/sessions/{operator}/recover"),
+        Some(A_WRITER),
+    )
+    .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    let open_app = router(&store, ServerConfig::default());
+    let (s, _) = get(&open_app, &format!("/v1/sessions/{operator}/recover"), None).await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, _) = get(&open_app, &format!("/v1/sessions/{id}/recover"), None).await;
+    assert_eq!(
+        s,
+        StatusCode::NOT_FOUND,
+        "a's session is not the default tenant's"
+    );
+});
+
+both_backends!(
+    bad_input_answers_4xx_and_changes_nothing,
+    |url: String| async move {
+        let store = open(&url, StoreOptions::default()).await;
+        let app = router(
+            &store,
+            ServerConfig {
+                body_limit: 32 * 1024,
+                ..ServerConfig::default()
+            },
+        );
+        let id = Uuid::new_v4();
+        let uri = events_uri(id);
+        let (s, _) = post(
+            &app,
+            &uri,
+            None,
+            &json!({"expected_seq": 0, "events": searched_batch()}),
+        )
+        .await;
+        assert_eq!(s, StatusCode::CREATED);
+        let before = store.history(id, 0, 1000).await.unwrap();
+        let sessions_before = store.sessions().await.unwrap();
+
+        let sql = "x'); DROP TABLE events; --";
+        let cases: Vec<(&str, Option<&str>, String, StatusCode)> = vec![
+        ("malformed JSON", Some("application/json"), "{\"expected_seq\": 6, \"events\": [".into(), StatusCode::BAD_REQUEST),
+        ("not an object", Some("application/json"), "[1, 2]".into(), StatusCode::BAD_REQUEST),
+        ("wrong content type", Some("application/x-www-form-urlencoded"), "expected_seq=6".into(), StatusCode::UNSUPPORTED_MEDIA_TYPE),
+        ("no content type", None, json!({"expected_seq": 6, "events": []}).to_string(), StatusCode::UNSUPPORTED_MEDIA_TYPE),
+        ("huge body", Some("application/json"), format!("{{\"expected_seq\": 6, \"events\": [{{\"type\": \"prompt_submitted\", \"text\": \"{}\"}}]}}", "y".repeat(40_000)), StatusCode::PAYLOAD_TOO_LARGE),
+        ("unknown top-level field", Some("application/json"), json!({"expected_seq": 6, "events": [], "force": true}).to_string(), StatusCode::UNPROCESSABLE_ENTITY),
+        ("unknown event field", Some("application/json"), json!({"expected_seq": 6, "events": [{"type": "prompt_submitted", "text": "t", "admin": true}]}).to_string(), StatusCode::UNPROCESSABLE_ENTITY),
+        ("seq given", Some("application/json"), json!({"expected_seq": 6, "events": [{"type": "prompt_submitted", "text": "t", "seq": 1}]}).to_string(), StatusCode::UNPROCESSABLE_ENTITY),
+        ("another session_id", Some("application/json"), json!({"expected_seq": 6, "events": [{"type": "prompt_submitted", "text": "t", "session_id": Uuid::new_v4()}]}).to_string(), StatusCode::UNPROCESSABLE_ENTITY),
+        ("negative expected_seq", Some("application/json"), json!({"expected_seq": -1, "events": []}).to_string(), StatusCode::UNPROCESSABLE_ENTITY),
+        ("string expected_seq", Some("application/json"), json!({"expected_seq": "6", "events": []}).to_string(), StatusCode::UNPROCESSABLE_ENTITY),
+        ("SQL in a mismatched result", Some("application/json"), json!({"expected_seq": 6, "events": [{"type": "tool_result", "call_id": "c1", "tool_name": sql, "status": "success"}]}).to_string(), StatusCode::UNPROCESSABLE_ENTITY),
+        ("SQL with a control character", Some("application/json"), json!({"expected_seq": 6, "events": [{"type": "tool_call", "call_id": "c9", "tool_name": format!("{sql}\u{0}"), "input": null}]}).to_string(), StatusCode::UNPROCESSABLE_ENTITY),
+        ("SQL in a catalog, then a bad event", Some("application/json"), json!({"expected_seq": 6, "events": [{"type": "catalog_defined", "mode": "code", "deferred_tools": [sql]}, {"type": "mode_switched"}]}).to_string(), StatusCode::UNPROCESSABLE_ENTITY),
+    ];
+        for (what, ct, body, want) in cases {
+            let (s, v, text) = call(&app, Method::POST, &uri, None, ct, body).await;
+            assert_eq!(s, want, "{what}: {text}");
+            assert!(
+                v["error"].is_string() && v["message"].is_string(),
+                "{what}: a JSON error, not {text}"
+            );
+        }
+        // Ids that are paths or SQL: refused before any query.
+        for bad in [
+            "..%2F..%2Fetc%2Fpasswd",
+            "%2e%2e",
+            "1%27%3B%20DROP%20TABLE%20events%3B--",
+            "%00",
+        ] {
+            for path in ["events", "context", "recover"] {
+                let (s, v) = get(&app, &format!("/v1/sessions/{bad}/{path}"), None).await;
+                assert_error(s, &v, StatusCode::BAD_REQUEST, "bad_request");
+            }
+            let (s, v) = post(
+                &app,
+                &format!("/v1/sessions/{bad}/events"),
+                None,
+                &json!({"expected_seq": 0, "events": []}),
+            )
+            .await;
+            assert_error(s, &v, StatusCode::BAD_REQUEST, "bad_request");
+        }
+        let (s, v) = get(&app, "/v1/sessions/../../etc/passwd", None).await;
+        assert!(s.is_client_error(), "{s} {v}");
+
+        assert_eq!(
+            store.history(id, 0, 1000).await.unwrap(),
+            before,
+            "the log is unchanged"
+        );
+        assert_eq!(
+            store.sessions().await.unwrap(),
+            sessions_before,
+            "no session was created"
+        );
+
+        // A SQL-looking name that is a valid tool name is data: stored and read
+        // back verbatim, and the tables are intact.
+        let ok = json!({"expected_seq": 6, "events": [
+            {"type": "tool_call", "call_id": "c2", "tool_name": sql, "input": {"q": "'; DELETE FROM views; --"}}
+        ]});
+        let (s, v) = post(&app, &uri, None, &ok).await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+        let (_, page) = get(&app, &format!("{uri}?after_seq=6"), None).await;
+        assert_eq!(page["events"][0]["tool_name"], sql);
+        assert_eq!(page["events"][0]["input"]["q"], "'; DELETE FROM views; --");
+        assert_eq!(store.history(id, 0, 1000).await.unwrap().len(), 7);
+        assert_eq!(
+            store.verify(id).await.unwrap(),
+            None,
+            "the view agrees with the log"
+        );
+    }
+);
+
+/// Reads SSE frames until `want` events (`event:` lines) arrived.
+async fn read_sse(body: &mut Body, want: usize) -> Vec<(String, String, Value)> {
+    let mut text = String::new();
+    let mut out = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while out.len() < want {
+        let frame = tokio::time::timeout_at(deadline, body.frame())
+            .await
+            .expect("stream events in time")
+            .expect("stream open")
+            .expect("frame");
+        if let Ok(data) = frame.into_data() {
+            text.push_str(&String::from_utf8_lossy(&data));
+        }
+        while let Some(end) = text.find("\n\n") {
+            let block: String = text.drain(..end + 2).collect();
+            let (mut kind, mut id, mut data) = (String::new(), String::new(), String::new());
+            for line in block.lines() {
+                if let Some(v) = line.strip_prefix("event: ") {
+                    kind = v.to_owned();
+                } else if let Some(v) = line.strip_prefix("id: ") {
+                    id = v.to_owned();
+                } else if let Some(v) = line.strip_prefix("data: ") {
+                    data.push_str(v);
+                }
+            }
+            if !kind.is_empty() {
+                out.push((kind, id, serde_json::from_str(&data).unwrap_or(Value::Null)));
+            }
+        }
+    }
+    out
+}
+
+async fn open_stream(app: &Router, uri: &str, last_event_id: Option<&str>) -> Body {
+    let mut req = Request::builder().uri(uri);
+    if let Some(l) = last_event_id {
+        req = req.header("last-event-id", l);
+    }
+    let response = app
+        .clone()
+        .oneshot(req.body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert!(response.headers()[header::CONTENT_TYPE]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    response.into_body()
+}
+
+both_backends!(
+    stream_sends_new_events_and_activations_and_resumes,
+    |url: String| async move {
+        let store = open(&url, StoreOptions::default()).await;
+        let app = router(&store, ServerConfig::default());
+        let id = Uuid::new_v4();
+        let uri = events_uri(id);
+        let first = json!([
+            {"type": "session_started", "mode": "code"},
+            {"type": "catalog_defined", "mode": "code", "deferred_tools": ["web_fetch"]},
+            {"type": "prompt_submitted", "text": "hi"}
+        ]);
+        assert_eq!(
+            post(
+                &app,
+                &uri,
+                None,
+                &json!({"expected_seq": 0, "events": first})
+            )
+            .await
+            .0,
+            StatusCode::CREATED
+        );
+
+        // Without a cursor: the current activation set, then new events.
+        let mut live = open_stream(&app, &format!("/v1/sessions/{id}/stream"), None).await;
+        let hello = read_sse(&mut live, 1).await;
+        assert_eq!(hello[0].0, "activations");
+        assert_eq!(hello[0].1, "3");
+        assert_eq!(hello[0].2["tools"], json!([]));
+        let more = json!([
+            {"type": "tool_call", "call_id": "c1", "tool_name": "ToolSearch", "input": null},
+            {"type": "tool_result", "call_id": "c1", "tool_name": "ToolSearch", "status": "success", "added_tool_names": ["web_fetch"]},
+            {"type": "prompt_submitted", "text": "use it"}
+        ]);
+        assert_eq!(
+            post(
+                &app,
+                &uri,
+                None,
+                &json!({"expected_seq": 3, "events": more})
+            )
+            .await
+            .0,
+            StatusCode::CREATED
+        );
+        let got = read_sse(&mut live, 4).await;
+        let kinds: Vec<(&str, &str)> = got
+            .iter()
+            .map(|(k, i, _)| (k.as_str(), i.as_str()))
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                ("event", "4"),
+                ("event", "5"),
+                ("event", "6"),
+                ("activations", "6")
+            ]
+        );
+        assert_eq!(got[1].2["type"], "tool_result");
+        assert_eq!(got[1].2["seq"], 5);
+        assert_eq!(
+            got[3].2,
+            json!({"session_id": id, "as_of_seq": 6, "mode": "code", "tools": [{"name": "web_fetch", "evidence_seq": 5}]})
+        );
+
+        // Resuming after seq 4 replays 5 and 6 (Last-Event-ID wins over
+        // after_seq), with the activation set folded from the start.
+        let mut resumed = open_stream(
+            &app,
+            &format!("/v1/sessions/{id}/stream?after_seq=1"),
+            Some("4"),
+        )
+        .await;
+        let got = read_sse(&mut resumed, 3).await;
+        let kinds: Vec<(&str, &str)> = got
+            .iter()
+            .map(|(k, i, _)| (k.as_str(), i.as_str()))
+            .collect();
+        assert_eq!(
+            kinds,
+            [("event", "5"), ("event", "6"), ("activations", "6")]
+        );
+        assert_eq!(got[2].2["tools"][0]["name"], "web_fetch");
+        let mut from_start =
+            open_stream(&app, &format!("/v1/sessions/{id}/stream?after_seq=0"), None).await;
+        let got = read_sse(&mut from_start, 2).await;
+        assert_eq!((got[0].1.as_str(), got[1].1.as_str()), ("1", "2"));
+
+        // Bad cursors.
+        let (s, v, _) = call(
+            &app,
+            Method::GET,
+            &format!("/v1/sessions/{id}/stream?after_seq=99"),
+            None,
+            None,
+            Body::empty(),
+        )
+        .await;
+        assert_error(s, &v, StatusCode::UNPROCESSABLE_ENTITY, "seq_out_of_range");
+        let req = Request::builder()
+            .uri(format!("/v1/sessions/{id}/stream"))
+            .header("last-event-id", "abc")
+            .body(Body::empty())
+            .unwrap();
+        let r = app.clone().oneshot(req).await.unwrap();
+        assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    }
+);
+
+both_backends!(
+    a_timed_out_append_still_commits_once,
+    |url: String| async move {
+        let store = open(
+            &url,
+            StoreOptions {
+                fault_pause_before_commit: Some(Duration::from_millis(700)),
+                ..StoreOptions::default()
+            },
+        )
+        .await;
+        let app = router(
+            &store,
+            ServerConfig {
+                request_timeout: Duration::from_millis(100),
+                ..ServerConfig::default()
+            },
+        );
+        let id = Uuid::new_v4();
+        let event_id = Uuid::new_v4();
+        let body = json!({"expected_seq": 0, "events": [{"type": "session_started", "mode": "m", "event_id": event_id}]});
+        let (s, v) = post(&app, &events_uri(id), None, &body).await;
+        assert_error(s, &v, StatusCode::SERVICE_UNAVAILABLE, "timeout");
+        // The append was not cut off: it commits, and the retry the message
+        // suggests is answered as a replay.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while store.head_seq(id).await.unwrap() == 0 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the append committed"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let patient = router(&store, ServerConfig::default());
+        let (s, v) = post(&patient, &events_uri(id), None, &body).await;
+        assert_eq!(
+            (s, v["replayed"].as_bool()),
+            (StatusCode::CREATED, Some(true)),
+            "{v}"
+        );
+        assert_eq!(store.head_seq(id).await.unwrap(), 1);
+    }
+);
+
+both_backends!(
+    shutdown_finishes_in_flight_appends,
+    |url: String| async move {
+        let store = open(
+            &url,
+            StoreOptions {
+                fault_pause_before_commit: Some(Duration::from_millis(800)),
+                ..StoreOptions::default()
+            },
+        )
+        .await;
+        let server = Server::new(store.clone(), ServerConfig::default());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let serving = tokio::spawn(server.serve(listener, async move {
+            let _ = stopped.await;
+        }));
+        let id = Uuid::new_v4();
+        let client = reqwest::Client::new();
+        let append = tokio::spawn({
+            let client = client.clone();
+            async move {
+                client
+                .post(format!("http://{addr}/v1/sessions/{id}/events"))
+                .json(&json!({"expected_seq": 0, "events": [{"type": "session_started", "mode": "m"}]}))
+                .send()
+                .await
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        stop.send(()).unwrap();
+        let response = append
+            .await
+            .unwrap()
+            .expect("the in-flight append is answered");
+        assert_eq!(response.status(), 201);
+        tokio::time::timeout(Duration::from_secs(10), serving)
+            .await
+            .expect("shutdown finishes")
+            .unwrap()
+            .unwrap();
+        assert_eq!(store.head_seq(id).await.unwrap(), 1, "and committed");
+        assert!(
+            client
+                .get(format!("http://{addr}/healthz"))
+                .send()
+                .await
+                .is_err(),
+            "no longer listening"
+        );
+    }
+);
+
+both_backends!(shutdown_ends_open_streams, |url: String| async move {
+    let store = open(&url, StoreOptions::default()).await;
+    let id = Uuid::new_v4();
+    store
+        .append(
+            id,
+            0,
+            vec![session_store::NewEvent::new(
+                session_store::EventBody::SessionStarted {
+                    mode: "m".into(),
+                    metadata: None,
+                },
+            )],
+        )
+        .await
+        .unwrap();
+    let server = Server::new(store.clone(), ServerConfig::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(server.serve(listener, async move {
+        let _ = stopped.await;
+    }));
+    let response = reqwest::get(format!("http://{addr}/v1/sessions/{id}/stream"))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    stop.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(10), serving)
+        .await
+        .expect("a stream does not hold shutdown up")
+        .unwrap()
+        .unwrap();
+    // The body ends (cleanly or by a reset) instead of hanging.
+    let _ = tokio::time::timeout(Duration::from_secs(5), response.bytes())
+        .await
+        .expect("the stream ended");
+});
+
+#[test]
+fn committed_openapi_document_matches_the_code() {
+    let committed =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/openapi.json"))
+            .expect("docs/openapi.json exists");
+    let generated = session_store::server::openapi_json();
+    assert!(
+        committed == generated,
+        "docs/openapi.json is stale: run `cargo run -- openapi > docs/openapi.json` and commit it"
+    );
+}
