@@ -80,7 +80,13 @@ impl ApiError {
 
     /// 422 naming the rule, field and index.
     pub fn invalid(v: &ValidationError) -> ApiError {
-        let mut e = ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid", v.to_string());
+        // JSON clients index from 0: say `events[i]`, as `index` does
+        // (the CLI's sentence counts events from 1).
+        let text = match v.index {
+            Some(i) => format!("events[{i}]: {}", v.message),
+            None => v.message.clone(),
+        };
+        let mut e = ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid", text);
         e.body.rule = Some(v.rule.code().to_owned());
         e.body.field = v.field.clone();
         e.body.index = v.index;
