@@ -16,6 +16,7 @@
 pub mod cli;
 pub mod error;
 pub mod event;
+pub mod integrity;
 pub mod projector;
 pub mod server;
 pub mod store;
