@@ -103,6 +103,20 @@ pub enum Command {
     Verify {
         /// Only this session (all sessions without it).
         session: Option<String>,
+        /// Also recompute the hash chains and check that no row left the
+        /// global order (docs/integrity.md); exit 5 naming the first broken
+        /// link.
+        #[arg(long)]
+        integrity: bool,
+        /// Print the integrity report as JSON (with `--integrity`).
+        #[arg(long, requires = "integrity")]
+        json: bool,
+    },
+    /// Write a session as JSON lines that `import` reads back into an
+    /// identical session (same ids, times, seqs and chain).
+    Export {
+        /// The session's UUID.
+        session: String,
     },
     /// Print the global feed of every session's events in position order.
     Tail {
@@ -236,6 +250,17 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
     let result = run_on(&store, cli.command, cli.max_event_bytes, out).await;
     store.close().await;
     result
+}
+
+/// An event as `import` reads it: the envelope without `seq` and
+/// `position`, which the store assigns again (in the same order).
+fn export_line(e: &crate::event::StoredEvent) -> serde_json::Value {
+    let mut v = serde_json::to_value(e).unwrap_or_default();
+    if let Some(map) = v.as_object_mut() {
+        map.remove("seq");
+        map.remove("position");
+    }
+    v
 }
 
 fn seconds(flag: &str, v: f64) -> Result<std::time::Duration, CliError> {
@@ -450,8 +475,60 @@ async fn run_on(
             )
             .map_err(io)?;
         }
-        Command::Verify { session } => {
+        Command::Export { session } => {
+            let session = parse_session(&session)?;
+            if store.head_seq(session).await? == 0 {
+                return Err(Error::SessionNotFound(session).into());
+            }
+            // Page by page: a session of any length streams in constant
+            // memory.
+            let mut after = 0;
+            loop {
+                let page = store.history(session, after, 1_000).await?;
+                let Some(last) = page.last() else { break };
+                after = last.seq;
+                for e in &page {
+                    print_json(out, &export_line(e))?;
+                }
+            }
+        }
+        Command::Verify {
+            session,
+            integrity,
+            json,
+        } => {
             let sessions = target_sessions(store, session.as_deref()).await?;
+            // The chains first: an edit behind the store's back usually
+            // also makes a view disagree, and the chain names the row.
+            let report = match integrity {
+                true => {
+                    let only = match session.as_deref() {
+                        Some(s) => Some(parse_session(s)?),
+                        None => None,
+                    };
+                    Some(store.verify_integrity(only).await?)
+                }
+                false => None,
+            };
+            if let Some(report) = &report {
+                if json {
+                    print_json(out, report)?;
+                }
+                if !report.intact() {
+                    let first = report
+                        .breaks
+                        .first()
+                        .map(|b| b.message.clone())
+                        .or_else(|| report.log_problems.first().cloned())
+                        .unwrap_or_default();
+                    let more = report.breaks.len() + report.log_problems.len() - 1;
+                    return Err(CliError::Drift(if more > 0 {
+                        format!("the log was changed behind the store's back: {first} (and {more} more)")
+                    } else {
+                        format!("the log was changed behind the store's back: {first}")
+                    }));
+                }
+            }
             let bar = progress_bar(sessions.len());
             for s in &sessions {
                 if let Some(difference) = store.verify(*s).await? {
@@ -461,12 +538,22 @@ async fn run_on(
                 bar.inc(1);
             }
             bar.finish_and_clear();
-            writeln!(
-                out,
-                "the views of {} sessions agree with the log",
-                sessions.len()
-            )
-            .map_err(io)?;
+            match &report {
+                Some(_) if json => {}
+                Some(r) => writeln!(
+                    out,
+                    "the views of {} sessions agree with the log; the hash chains of {} events are intact",
+                    sessions.len(),
+                    r.events
+                )
+                .map_err(io)?,
+                None => writeln!(
+                    out,
+                    "the views of {} sessions agree with the log",
+                    sessions.len()
+                )
+                .map_err(io)?,
+            }
         }
         Command::Tail {
             from_position,

@@ -12,8 +12,9 @@
 //! at append, `verify --integrity` and the checks after an import. The
 //! encoding is written down in `docs/integrity.md`.
 //!
-//! Status: the store does not yet write or read the `hash` column; this is
-//! the encoding and the checker that wiring will use.
+//! The store writes each event's hash in the append's transaction
+//! (`src/store/chain.rs`); `Store::verify_integrity` reads the chains back
+//! through [`ChainChecker`].
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use serde::Serialize;
@@ -36,11 +37,16 @@ pub fn canonical_time(t: &DateTime<Utc>) -> String {
 /// length followed by its UTF-8 bytes. Length prefixes, rather than a
 /// separator, make the encoding unambiguous whatever the fields contain.
 pub fn encode(event: &StoredEvent, prev_hash: &str) -> Vec<u8> {
+    encode_with(event, &event.body.to_json_text(), prev_hash)
+}
+
+/// [`encode`] with the payload text already computed (`payload` must be
+/// `event.body.to_json_text()`).
+fn encode_with(event: &StoredEvent, payload: &str, prev_hash: &str) -> Vec<u8> {
     let session = event.session_id.hyphenated().to_string();
     let seq = event.seq.to_string();
     let event_id = event.event_id.hyphenated().to_string();
     let time = canonical_time(&event.recorded_at);
-    let payload = event.body.to_json_text();
     let fields: [&str; 8] = [
         FORMAT,
         &session,
@@ -48,7 +54,7 @@ pub fn encode(event: &StoredEvent, prev_hash: &str) -> Vec<u8> {
         &event_id,
         event.body.type_name(),
         &time,
-        &payload,
+        payload,
         prev_hash,
     ];
     let mut out = Vec::with_capacity(fields.iter().map(|f| f.len() + 8).sum());
@@ -65,6 +71,12 @@ pub fn event_hash(event: &StoredEvent, prev_hash: &str) -> String {
     hex::encode(Sha256::digest(encode(event, prev_hash)))
 }
 
+/// [`event_hash`] for the store's append, which has the payload text at
+/// hand already (`payload` must be `event.body.to_json_text()`).
+pub fn event_hash_of(event: &StoredEvent, payload: &str, prev_hash: &str) -> String {
+    hex::encode(Sha256::digest(encode_with(event, payload, prev_hash)))
+}
+
 /// What is wrong at the first broken link of a session's chain.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -75,6 +87,9 @@ pub enum BreakKind {
     /// The seq is not the one after the previous row's: a row was deleted
     /// (or seqs were rewritten).
     SeqGap,
+    /// The row has no hash: it was written around the store (or its hash
+    /// was erased).
+    MissingHash,
 }
 
 /// The first broken link of a session's chain.
@@ -108,7 +123,11 @@ impl ChainChecker {
 
     /// Checks the next row and its stored hash; the first break is returned
     /// and the caller should stop there (later rows chain to a broken one).
-    pub fn check(&mut self, event: &StoredEvent, stored_hash: &str) -> Option<IntegrityBreak> {
+    pub fn check(
+        &mut self,
+        event: &StoredEvent,
+        stored_hash: Option<&str>,
+    ) -> Option<IntegrityBreak> {
         let brk = |kind, message: String| IntegrityBreak {
             session_id: event.session_id,
             seq: event.seq,
@@ -125,6 +144,15 @@ impl ChainChecker {
                 ),
             ));
         }
+        let Some(stored_hash) = stored_hash else {
+            return Some(brk(
+                BreakKind::MissingHash,
+                format!(
+                    "session {}: seq {} (event {}) has no hash; it was written around the store or its hash was erased",
+                    event.session_id, event.seq, event.event_id
+                ),
+            ));
+        };
         let expected = event_hash(event, &self.prev_hash);
         if expected != stored_hash {
             return Some(brk(
@@ -179,7 +207,7 @@ mod tests {
         events
             .iter()
             .zip(hashes)
-            .find_map(|(e, h)| checker.check(e, h))
+            .find_map(|(e, h)| checker.check(e, Some(h)))
     }
 
     #[test]

@@ -17,10 +17,12 @@
 //! by folding only the events appended since (by this or another process), so
 //! appending to a long session does not re-read its history.
 
+mod chain;
 mod postgres;
 mod sqlite;
 mod subscribe;
 
+pub use chain::{ChainHead, IntegrityReport};
 pub use subscribe::{Subscription, Watch};
 
 use std::collections::{HashMap, HashSet};
@@ -144,6 +146,8 @@ pub(crate) struct PendingRow {
     pub(crate) type_name: &'static str,
     pub(crate) payload: String,
     pub(crate) recorded_at: DateTime<Utc>,
+    /// The chain hash (docs/integrity.md).
+    pub(crate) hash: String,
 }
 
 /// The operations the shared append path needs inside one write
@@ -208,6 +212,28 @@ pub(crate) trait LogTx: Send {
         session_id: Uuid,
         tenant: &str,
     ) -> impl Future<Output = Result<()>> + Send;
+    /// Events of a session with `seq > after`, at most `limit`, in seq
+    /// order, each with its stored chain hash.
+    fn chained_page(
+        &mut self,
+        session_id: Uuid,
+        after: i64,
+        limit: i64,
+    ) -> impl Future<Output = Result<Vec<(StoredEvent, Option<String>)>>> + Send;
+    /// Fills in the missing hash of the event at `position`.
+    fn set_hash(&mut self, position: i64, hash: &str) -> impl Future<Output = Result<()>> + Send;
+    /// Sessions written before the chain existed and not chained yet.
+    fn backfill_pending(&mut self, limit: i64) -> impl Future<Output = Result<Vec<Uuid>>> + Send;
+    /// Whether `session_id` is such a session.
+    fn is_backfill_pending(
+        &mut self,
+        session_id: Uuid,
+    ) -> impl Future<Output = Result<bool>> + Send;
+    /// Marks a session chained.
+    fn backfill_done(&mut self, session_id: Uuid) -> impl Future<Output = Result<()>> + Send;
+    /// `(number of events, largest position, positions handed out)`: equal
+    /// when no row was removed.
+    fn position_summary(&mut self) -> impl Future<Output = Result<(i64, i64, i64)>> + Send;
     /// Commits.
     fn commit(self) -> impl Future<Output = Result<()>> + Send;
 }
@@ -396,6 +422,7 @@ impl Store {
             states: Mutex::new(HashMap::new()),
         };
         store.migrate().await?;
+        store.backfill_chains().await?;
         Ok(store)
     }
 
@@ -838,6 +865,7 @@ async fn append_in<T: LogTx>(
     };
     let mut state = catch_up(&mut tx, state, head).await?;
     prefetch_calls(&mut tx, &mut state, events).await?;
+    let mut prev_hash = chain::head_hash(&mut tx, session_id, head).await?;
     let first_position = tx.reserve_positions(events.len() as i64).await?;
     let now = Utc::now().trunc_subsecs(6);
     let mut rows = Vec::with_capacity(events.len());
@@ -860,23 +888,26 @@ async fn append_in<T: LogTx>(
             .into());
         }
         check_event(&state, &e.body).map_err(|err| err.at_index(i))?;
-        let row = PendingRow {
-            position: first_position + i as i64,
+        let stored = StoredEvent {
             session_id,
             seq: head + 1 + i as i64,
             event_id: e.event_id.unwrap_or_else(Uuid::now_v7),
+            position: first_position + i as i64,
+            recorded_at: e.recorded_at.map(|t| t.trunc_subsecs(6)).unwrap_or(now),
+            body: e.body.clone(),
+        };
+        prev_hash = crate::integrity::event_hash_of(&stored, &payload, &prev_hash);
+        let row = PendingRow {
+            position: stored.position,
+            session_id,
+            seq: stored.seq,
+            event_id: stored.event_id,
             type_name: e.body.type_name(),
             payload,
-            recorded_at: e.recorded_at.map(|t| t.trunc_subsecs(6)).unwrap_or(now),
+            recorded_at: stored.recorded_at,
+            hash: prev_hash.clone(),
         };
-        state.apply(&StoredEvent {
-            session_id,
-            seq: row.seq,
-            event_id: row.event_id,
-            position: row.position,
-            recorded_at: row.recorded_at,
-            body: e.body.clone(),
-        });
+        state.apply(&stored);
         match &e.body {
             EventBody::ToolCall {
                 call_id, tool_name, ..

@@ -27,6 +27,9 @@ static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/postgres")
 
 type Row = (i64, Uuid, i64, Uuid, String, DateTime<Utc>);
 
+/// A [`Row`] with its chain hash.
+type HashedRow = (i64, Uuid, i64, Uuid, String, DateTime<Utc>, Option<String>);
+
 const COLUMNS: &str = "position, session_id, seq, event_id, payload, recorded_at";
 
 /// Server-side limits set on every connection (see the module docs).
@@ -211,9 +214,10 @@ impl LogTx for PgTx {
         let types: Vec<&str> = rows.iter().map(|r| r.type_name).collect();
         let payloads: Vec<&str> = rows.iter().map(|r| r.payload.as_str()).collect();
         let times: Vec<DateTime<Utc>> = rows.iter().map(|r| r.recorded_at).collect();
+        let hashes: Vec<&str> = rows.iter().map(|r| r.hash.as_str()).collect();
         sqlx::query(
-            "INSERT INTO events (position, session_id, seq, event_id, type, payload, recorded_at) \
-             SELECT * FROM UNNEST($1::BIGINT[], $2::UUID[], $3::BIGINT[], $4::UUID[], $5::TEXT[], $6::TEXT[], $7::TIMESTAMPTZ[])",
+            "INSERT INTO events (position, session_id, seq, event_id, type, payload, recorded_at, hash) \
+             SELECT * FROM UNNEST($1::BIGINT[], $2::UUID[], $3::BIGINT[], $4::UUID[], $5::TEXT[], $6::TEXT[], $7::TIMESTAMPTZ[], $8::TEXT[])",
         )
         .bind(positions)
         .bind(sessions)
@@ -222,6 +226,7 @@ impl LogTx for PgTx {
         .bind(types)
         .bind(payloads)
         .bind(times)
+        .bind(hashes)
         .execute(&mut *self.tx)
         .await
         .map_err(Error::from_sqlx)?;
@@ -381,6 +386,77 @@ impl LogTx for PgTx {
             .await
             .map_err(Error::from_sqlx)?;
         Ok(())
+    }
+
+    async fn chained_page(
+        &mut self,
+        session_id: Uuid,
+        after: i64,
+        limit: i64,
+    ) -> Result<Vec<(StoredEvent, Option<String>)>> {
+        let rows: Vec<HashedRow> =
+            sqlx::query_as(&format!(
+                "SELECT {COLUMNS}, hash FROM events WHERE session_id = $1 AND seq > $2 ORDER BY seq LIMIT $3"
+            ))
+            .bind(session_id)
+            .bind(after)
+            .bind(limit)
+            .fetch_all(&mut *self.tx)
+            .await
+            .map_err(Error::from_sqlx)?;
+        rows.into_iter()
+            .map(|(p, s, q, e, pl, t, h)| Ok((decode((p, s, q, e, pl, t))?, h)))
+            .collect()
+    }
+
+    async fn set_hash(&mut self, position: i64, hash: &str) -> Result<()> {
+        sqlx::query("UPDATE events SET hash = $1 WHERE position = $2 AND hash IS NULL")
+            .bind(hash)
+            .bind(position)
+            .execute(&mut *self.tx)
+            .await
+            .map_err(Error::from_sqlx)?;
+        Ok(())
+    }
+
+    async fn backfill_pending(&mut self, limit: i64) -> Result<Vec<Uuid>> {
+        let rows: Vec<(Uuid,)> =
+            sqlx::query_as("SELECT session_id FROM chain_backfill ORDER BY session_id LIMIT $1")
+                .bind(limit)
+                .fetch_all(&mut *self.tx)
+                .await
+                .map_err(Error::from_sqlx)?;
+        Ok(rows.into_iter().map(|(s,)| s).collect())
+    }
+
+    async fn is_backfill_pending(&mut self, session_id: Uuid) -> Result<bool> {
+        let row: Option<(i32,)> =
+            sqlx::query_as("SELECT 1 FROM chain_backfill WHERE session_id = $1")
+                .bind(session_id)
+                .fetch_optional(&mut *self.tx)
+                .await
+                .map_err(Error::from_sqlx)?;
+        Ok(row.is_some())
+    }
+
+    async fn backfill_done(&mut self, session_id: Uuid) -> Result<()> {
+        sqlx::query("DELETE FROM chain_backfill WHERE session_id = $1")
+            .bind(session_id)
+            .execute(&mut *self.tx)
+            .await
+            .map_err(Error::from_sqlx)?;
+        Ok(())
+    }
+
+    async fn position_summary(&mut self) -> Result<(i64, i64, i64)> {
+        let (count, max, last): (i64, i64, i64) = sqlx::query_as(
+            "SELECT (SELECT COUNT(*) FROM events), (SELECT COALESCE(MAX(position), 0) FROM events), \
+             (SELECT last FROM event_position WHERE id = 1)",
+        )
+        .fetch_one(&mut *self.tx)
+        .await
+        .map_err(Error::from_sqlx)?;
+        Ok((count, max, last))
     }
 
     async fn commit(self) -> Result<()> {

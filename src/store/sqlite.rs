@@ -28,6 +28,9 @@ const INSERT_CHUNK: usize = 500;
 
 type Row = (i64, String, i64, String, String, String);
 
+/// A [`Row`] with its chain hash.
+type HashedRow = (i64, String, i64, String, String, String, Option<String>);
+
 const COLUMNS: &str = "position, session_id, seq, event_id, payload, recorded_at";
 
 pub(crate) struct SqliteBackend {
@@ -240,7 +243,7 @@ impl LogTx for SqliteTx {
     async fn insert(&mut self, rows: &[PendingRow]) -> Result<()> {
         for chunk in rows.chunks(INSERT_CHUNK) {
             let mut q = QueryBuilder::<Sqlite>::new(
-                "INSERT INTO events (position, session_id, seq, event_id, type, payload, recorded_at) ",
+                "INSERT INTO events (position, session_id, seq, event_id, type, payload, recorded_at, hash) ",
             );
             q.push_values(chunk, |mut b, r| {
                 b.push_bind(r.position)
@@ -252,7 +255,8 @@ impl LogTx for SqliteTx {
                     .push_bind(
                         r.recorded_at
                             .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
-                    );
+                    )
+                    .push_bind(r.hash.as_str());
             });
             q.build()
                 .execute(&mut *self.0)
@@ -414,6 +418,82 @@ impl LogTx for SqliteTx {
     async fn notify(&mut self, _session_id: Uuid, _seq: i64) -> Result<()> {
         // SQLite has no notifications; subscribers poll.
         Ok(())
+    }
+
+    async fn chained_page(
+        &mut self,
+        session_id: Uuid,
+        after: i64,
+        limit: i64,
+    ) -> Result<Vec<(StoredEvent, Option<String>)>> {
+        let rows: Vec<HashedRow> =
+            sqlx::query_as(&format!(
+                "SELECT {COLUMNS}, hash FROM events WHERE session_id = ? AND seq > ? ORDER BY seq LIMIT ?"
+            ))
+            .bind(session_id.to_string())
+            .bind(after)
+            .bind(limit)
+            .fetch_all(&mut *self.0)
+            .await
+            .map_err(Error::from_sqlx)?;
+        rows.into_iter()
+            .map(|(p, s, q, e, pl, t, h)| Ok((decode((p, s, q, e, pl, t))?, h)))
+            .collect()
+    }
+
+    async fn set_hash(&mut self, position: i64, hash: &str) -> Result<()> {
+        sqlx::query("UPDATE events SET hash = ? WHERE position = ? AND hash IS NULL")
+            .bind(hash)
+            .bind(position)
+            .execute(&mut *self.0)
+            .await
+            .map_err(Error::from_sqlx)?;
+        Ok(())
+    }
+
+    async fn backfill_pending(&mut self, limit: i64) -> Result<Vec<Uuid>> {
+        let rows: Vec<(String,)> =
+            sqlx::query_as("SELECT session_id FROM chain_backfill ORDER BY session_id LIMIT ?")
+                .bind(limit)
+                .fetch_all(&mut *self.0)
+                .await
+                .map_err(Error::from_sqlx)?;
+        rows.into_iter()
+            .map(|(s,)| {
+                Uuid::parse_str(&s).map_err(|_| {
+                    Error::Corrupt(format!("chain_backfill holds a bad session id {s:?}"))
+                })
+            })
+            .collect()
+    }
+
+    async fn is_backfill_pending(&mut self, session_id: Uuid) -> Result<bool> {
+        let row: Option<(i64,)> =
+            sqlx::query_as("SELECT 1 FROM chain_backfill WHERE session_id = ?")
+                .bind(session_id.to_string())
+                .fetch_optional(&mut *self.0)
+                .await
+                .map_err(Error::from_sqlx)?;
+        Ok(row.is_some())
+    }
+
+    async fn backfill_done(&mut self, session_id: Uuid) -> Result<()> {
+        sqlx::query("DELETE FROM chain_backfill WHERE session_id = ?")
+            .bind(session_id.to_string())
+            .execute(&mut *self.0)
+            .await
+            .map_err(Error::from_sqlx)?;
+        Ok(())
+    }
+
+    async fn position_summary(&mut self) -> Result<(i64, i64, i64)> {
+        // Positions are max + 1 at each append, so the counter is the max.
+        let (count, max): (i64, i64) =
+            sqlx::query_as("SELECT COUNT(*), COALESCE(MAX(position), 0) FROM events")
+                .fetch_one(&mut *self.0)
+                .await
+                .map_err(Error::from_sqlx)?;
+        Ok((count, max, max))
     }
 
     async fn commit(self) -> Result<()> {

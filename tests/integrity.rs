@@ -1,0 +1,390 @@
+//! Tamper evidence on both backends: the log is broken with raw SQL, after
+//! disabling the append-only trigger as an attacker with database access
+//! would, and `verify --integrity` (library and CLI) must name the first
+//! broken link. Also: export → import gives an identical session, chain
+//! included, and sessions written before the chain existed are chained
+//! once at open.
+
+mod common;
+
+use std::process::Command;
+
+use session_store::integrity::BreakKind;
+use session_store::{EventBody, NewEvent, Store, ToolStatus};
+use uuid::Uuid;
+
+fn events() -> Vec<NewEvent> {
+    let mut v = vec![
+        EventBody::SessionStarted {
+            mode: "code".into(),
+            metadata: None,
+        },
+        EventBody::CatalogDefined {
+            mode: "code".into(),
+            deferred_tools: vec!["web_fetch".into(), "grep".into()],
+        },
+        EventBody::PromptSubmitted {
+            text: "find it".into(),
+        },
+        EventBody::ToolCall {
+            call_id: "c1".into(),
+            tool_name: "ToolSearch".into(),
+            input: serde_json::json!({"q": "fetch"}),
+        },
+        EventBody::ToolResult {
+            call_id: "c1".into(),
+            tool_name: "ToolSearch".into(),
+            status: ToolStatus::Success,
+            output: Some(serde_json::json!("found")),
+            added_tool_names: Some(vec!["web_fetch".into()]),
+        },
+        EventBody::PromptSubmitted { text: "go".into() },
+    ];
+    v.drain(..).map(NewEvent::new).collect()
+}
+
+/// Runs SQL on the store's database behind its back.
+async fn raw(url: &str, sql: &str) {
+    use sqlx::Connection;
+    if url.starts_with("postgres") {
+        let mut c = sqlx::PgConnection::connect(url).await.unwrap();
+        sqlx::raw_sql(sql)
+            .execute(&mut c)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    } else {
+        let path = url.trim_start_matches("sqlite://");
+        let mut c = sqlx::SqliteConnection::connect(&format!("sqlite://{path}"))
+            .await
+            .unwrap();
+        sqlx::raw_sql(sql)
+            .execute(&mut c)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+}
+
+/// Turns the append-only protection off, as an attacker would.
+fn disable_triggers(url: &str) -> &'static str {
+    if url.starts_with("postgres") {
+        "ALTER TABLE events DISABLE TRIGGER USER;"
+    } else {
+        "DROP TRIGGER events_no_update; DROP TRIGGER events_no_delete;"
+    }
+}
+
+/// A session id as an SQL literal (text on SQLite, cast to uuid on
+/// PostgreSQL).
+fn sid(_url: &str, id: Uuid) -> String {
+    format!("'{id}'")
+}
+
+/// Two sessions: `victim` (6 events, appended in two batches) and
+/// `bystander` (appended last, so the victim's rows are not the log's
+/// last).
+async fn setup(url: &str) -> (Store, Uuid, Uuid) {
+    let store = Store::open(url).await.unwrap();
+    let victim = Uuid::new_v4();
+    let bystander = Uuid::new_v4();
+    let mut evs = events();
+    let rest = evs.split_off(3);
+    store.append(victim, 0, evs).await.unwrap();
+    store.append(victim, 3, rest).await.unwrap();
+    store.append(bystander, 0, events()).await.unwrap();
+    let report = store.verify_integrity(None).await.unwrap();
+    assert!(report.intact(), "{report:?}");
+    assert_eq!(report.events, 12);
+    assert_eq!(report.heads.len(), 2);
+    (store, victim, bystander)
+}
+
+async fn first_break(url: &str, session: Uuid) -> (i64, BreakKind) {
+    let store = Store::open(url).await.unwrap();
+    let report = store.verify_integrity(Some(session)).await.unwrap();
+    let b = report
+        .breaks
+        .first()
+        .unwrap_or_else(|| panic!("a break in {report:?}"));
+    (b.seq, b.kind.clone())
+}
+
+fn cli_verify(url: &str) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_session-store"))
+        .args(["--database", url, "verify", "--integrity"])
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout),
+    )
+}
+
+both_backends!(an_untouched_log_verifies, |url: String| async move {
+    let (store, _, _) = setup(&url).await;
+    store.close().await;
+    let (code, text) = cli_verify(&url);
+    assert_eq!(code, 0, "{text}");
+    assert!(
+        text.contains("hash chains of 12 events are intact"),
+        "{text}"
+    );
+});
+
+both_backends!(
+    the_append_only_trigger_refuses_edits,
+    |url: String| async move {
+        let (store, victim, _) = setup(&url).await;
+        store.close().await;
+        use sqlx::Connection;
+        let sql = format!(
+            "UPDATE events SET payload = payload WHERE session_id = {} AND seq = 3",
+            sid(&url, victim)
+        );
+        let refused = if url.starts_with("postgres") {
+            let mut c = sqlx::PgConnection::connect(&url).await.unwrap();
+            sqlx::raw_sql(&sql).execute(&mut c).await.is_err()
+        } else {
+            let mut c = sqlx::SqliteConnection::connect(&url).await.unwrap();
+            sqlx::raw_sql(&sql).execute(&mut c).await.is_err()
+        };
+        assert!(
+            refused,
+            "an UPDATE of an event is refused while the trigger is on"
+        );
+    }
+);
+
+both_backends!(an_edited_payload_is_caught, |url: String| async move {
+    let (store, victim, _) = setup(&url).await;
+    store.close().await;
+    raw(&url, &format!(
+        "{} UPDATE events SET payload = replace(payload, 'find it', 'delete it') WHERE session_id = {} AND seq = 3;",
+        disable_triggers(&url), sid(&url, victim)
+    )).await;
+    assert_eq!(
+        first_break(&url, victim).await,
+        (3, BreakKind::HashMismatch)
+    );
+    let (code, text) = cli_verify(&url);
+    assert_eq!(code, 5, "{text}");
+    assert!(text.contains("seq 3"), "{text}");
+});
+
+both_backends!(
+    evidence_forged_into_a_result_is_caught,
+    |url: String| async move {
+        let (store, victim, _) = setup(&url).await;
+        store.close().await;
+        raw(&url, &format!(
+        "{} UPDATE events SET payload = replace(payload, '\"web_fetch\"]', '\"web_fetch\",\"grep\"]') WHERE session_id = {} AND seq = 5;",
+        disable_triggers(&url), sid(&url, victim)
+    )).await;
+        assert_eq!(
+            first_break(&url, victim).await,
+            (5, BreakKind::HashMismatch)
+        );
+    }
+);
+
+both_backends!(a_deleted_row_is_caught, |url: String| async move {
+    let (store, victim, _) = setup(&url).await;
+    store.close().await;
+    raw(
+        &url,
+        &format!(
+            "{} DELETE FROM events WHERE session_id = {} AND seq = 2;",
+            disable_triggers(&url),
+            sid(&url, victim)
+        ),
+    )
+    .await;
+    assert_eq!(first_break(&url, victim).await, (3, BreakKind::SeqGap));
+    assert_eq!(cli_verify(&url).0, 5);
+});
+
+both_backends!(
+    a_deleted_last_row_is_caught_by_the_global_order,
+    |url: String| async move {
+        // The victim's last event is not the log's last: its removal leaves a
+        // hole in the positions even though the victim's chain still checks.
+        let (store, victim, _) = setup(&url).await;
+        store.close().await;
+        raw(
+            &url,
+            &format!(
+                "{} DELETE FROM events WHERE session_id = {} AND seq = 6;",
+                disable_triggers(&url),
+                sid(&url, victim)
+            ),
+        )
+        .await;
+        let store = Store::open(&url).await.unwrap();
+        let report = store.verify_integrity(None).await.unwrap();
+        assert!(report.breaks.is_empty(), "{report:?}");
+        assert_eq!(report.log_problems.len(), 1, "{report:?}");
+        assert!(
+            report.log_problems[0].contains("1 rows were deleted"),
+            "{report:?}"
+        );
+        let (code, text) = cli_verify(&url);
+        assert_eq!(code, 5, "{text}");
+    }
+);
+
+both_backends!(reordered_rows_are_caught, |url: String| async move {
+    let (store, victim, _) = setup(&url).await;
+    store.close().await;
+    let s = sid(&url, victim);
+    raw(
+        &url,
+        &format!(
+            "{} UPDATE events SET seq = 100 WHERE session_id = {s} AND seq = 2; \
+         UPDATE events SET seq = 2 WHERE session_id = {s} AND seq = 3; \
+         UPDATE events SET seq = 3 WHERE session_id = {s} AND seq = 100;",
+            disable_triggers(&url)
+        ),
+    )
+    .await;
+    assert_eq!(
+        first_break(&url, victim).await,
+        (2, BreakKind::HashMismatch)
+    );
+});
+
+both_backends!(a_changed_timestamp_is_caught, |url: String| async move {
+    let (store, victim, _) = setup(&url).await;
+    store.close().await;
+    let shift = if url.starts_with("postgres") {
+        "recorded_at = recorded_at - interval '1 hour'".to_owned()
+    } else {
+        "recorded_at = '2001-01-01T00:00:00.000000Z'".to_owned()
+    };
+    raw(
+        &url,
+        &format!(
+            "{} UPDATE events SET {shift} WHERE session_id = {} AND seq = 4;",
+            disable_triggers(&url),
+            sid(&url, victim)
+        ),
+    )
+    .await;
+    assert_eq!(
+        first_break(&url, victim).await,
+        (4, BreakKind::HashMismatch)
+    );
+});
+
+both_backends!(
+    an_erased_hash_is_caught_and_not_repaired,
+    |url: String| async move {
+        // An erased hash is a break, and opening the store does not "repair"
+        // it: only sessions written before the chain existed are chained.
+        let (store, victim, _) = setup(&url).await;
+        store.close().await;
+        raw(
+            &url,
+            &format!(
+                "{} UPDATE events SET hash = NULL WHERE session_id = {} AND seq = 4;",
+                disable_triggers(&url),
+                sid(&url, victim)
+            ),
+        )
+        .await;
+        assert_eq!(first_break(&url, victim).await, (4, BreakKind::MissingHash));
+        assert_eq!(
+            first_break(&url, victim).await,
+            (4, BreakKind::MissingHash),
+            "still, after a second open"
+        );
+    }
+);
+
+both_backends!(
+    sessions_from_before_the_chain_are_chained_once,
+    |url: String| async move {
+        // Simulate a log written before migration 0004: no hashes, and the
+        // session listed for the one-time chaining.
+        let (store, victim, _) = setup(&url).await;
+        let before = store.verify_integrity(Some(victim)).await.unwrap().heads;
+        store.close().await;
+        raw(&url, &format!(
+        "{} UPDATE events SET hash = NULL WHERE session_id = {s}; INSERT INTO chain_backfill (session_id) VALUES ({s});",
+        disable_triggers(&url), s = sid(&url, victim)
+    )).await;
+        let store = Store::open(&url).await.unwrap();
+        let report = store.verify_integrity(Some(victim)).await.unwrap();
+        assert!(report.intact(), "{report:?}");
+        assert_eq!(report.heads, before, "the same chain as written at append");
+        // And appends continue the chain.
+        store
+            .append(
+                victim,
+                6,
+                vec![NewEvent::new(EventBody::AssistantMessage {
+                    text: "done".into(),
+                })],
+            )
+            .await
+            .unwrap();
+        assert!(store.verify_integrity(None).await.unwrap().intact());
+    }
+);
+
+both_backends!(
+    export_then_import_gives_an_identical_session,
+    |url: String| async move {
+        let (store, victim, _) = setup(&url).await;
+        let original = store.history(victim, 0, 100).await.unwrap();
+        let head = store.verify_integrity(Some(victim)).await.unwrap().heads;
+        let activations = store.activations(victim, None).await.unwrap();
+        let context = store.context(victim, None).await.unwrap();
+        store.close().await;
+        let out = Command::new(env!("CARGO_BIN_EXE_session-store"))
+            .args(["--database", &url, "export", &victim.to_string()])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("export.jsonl");
+        std::fs::write(&file, &out.stdout).unwrap();
+        assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 6);
+
+        let target = common::sqlite_db();
+        let imported = Command::new(env!("CARGO_BIN_EXE_session-store"))
+            .args(["--database", &target.url, "import"])
+            .arg(&file)
+            .output()
+            .unwrap();
+        assert!(
+            imported.status.success(),
+            "{}",
+            String::from_utf8_lossy(&imported.stderr)
+        );
+        let copy = Store::open(&target.url).await.unwrap();
+        let mut got = copy.history(victim, 0, 100).await.unwrap();
+        let mut want = original.clone();
+        for e in got.iter_mut().chain(want.iter_mut()) {
+            e.position = 0; // the global order is the target store's own
+        }
+        assert_eq!(got, want, "same ids, seqs, times and payloads");
+        assert_eq!(
+            copy.verify_integrity(Some(victim)).await.unwrap().heads,
+            head,
+            "same chain"
+        );
+        assert_eq!(copy.activations(victim, None).await.unwrap(), activations);
+        assert_eq!(copy.context(victim, None).await.unwrap(), context);
+        // Importing the export again stores nothing twice.
+        let again = Command::new(env!("CARGO_BIN_EXE_session-store"))
+            .args(["--database", &target.url, "import"])
+            .arg(&file)
+            .output()
+            .unwrap();
+        assert!(again.status.success());
+        assert_eq!(copy.head_seq(victim).await.unwrap(), 6);
+    }
+);
