@@ -134,6 +134,18 @@ pub enum Command {
     Serve(ServeArgs),
     /// Print the HTTP API's OpenAPI 3 document.
     Openapi,
+    /// Measure the store against its ceilings and baselines on temp
+    /// databases (docs/benchmarks.md): append throughput beside raw
+    /// inserts, pre-request latency beside the naive fold, recovery, memory.
+    /// Prints tables and writes a JSON report and an SVG plot.
+    Bench(BenchArgs),
+    /// One phase of `bench`, run by `bench` in a child process so that each
+    /// phase has its own peak RSS.
+    #[command(hide = true)]
+    BenchPhase {
+        /// The phase, as JSON.
+        spec: String,
+    },
     /// Print a session's events in seq order.
     History {
         /// The session's UUID.
@@ -176,6 +188,43 @@ pub struct ServeArgs {
     pub shutdown_grace: f64,
 }
 
+/// Which backends `bench` measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchBackend {
+    /// SQLite only.
+    Sqlite,
+    /// PostgreSQL only.
+    Postgres,
+    /// SQLite, then PostgreSQL.
+    Both,
+}
+
+/// Flags of `bench`.
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    /// The backends to measure.
+    #[arg(long, value_enum, default_value = "both")]
+    pub backend: BenchBackend,
+    /// Sessions of 10^3 and 10^4 events only and short repeats: a smoke
+    /// test of under a minute.
+    #[arg(long)]
+    pub quick: bool,
+    /// Where the JSON report goes.
+    #[arg(long, default_value = "bench-report.json")]
+    pub out: PathBuf,
+    /// Where the SVG latency plot goes (bench-latency.svg next to the report
+    /// by default).
+    #[arg(long)]
+    pub svg: Option<PathBuf>,
+    /// Use this PostgreSQL server (an admin URL; the bench creates and drops
+    /// its own databases there) instead of starting a throw-away one.
+    #[arg(long)]
+    pub postgres_url: Option<String>,
+    /// Where the temp SQLite files go (the system temp dir by default).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+}
+
 /// A failed command.
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
@@ -199,6 +248,9 @@ pub enum CliError {
     /// `verify` found a view that disagrees with the log.
     #[error("{0}")]
     Drift(String),
+    /// `bench` could not run.
+    #[error("{0}")]
+    Bench(#[from] crate::bench::BenchError),
 }
 
 impl CliError {
@@ -207,6 +259,8 @@ impl CliError {
         match self {
             CliError::Store(e) => store_exit_code(e),
             CliError::Drift(_) => 5,
+            CliError::Bench(crate::bench::BenchError::Store(e)) => store_exit_code(e),
+            CliError::Bench(_) => 4,
             _ => 1,
         }
     }
@@ -244,6 +298,11 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
             return write!(out, "{}", crate::server::openapi_json()).map_err(io);
         }
         Command::Serve(args) => return serve(&cli.database, options, args, out).await,
+        Command::Bench(args) => return bench(args, out).await,
+        Command::BenchPhase { spec } => {
+            let line = crate::bench::run_phase(&spec).await?;
+            return writeln!(out, "{line}").map_err(io);
+        }
         _ => {}
     }
     let store = Store::open_with(&cli.database, options).await?;
@@ -342,6 +401,45 @@ async fn serve(
     result
 }
 
+/// `bench`: its databases are its own (temp files, a throw-away server),
+/// so `--database` is not used.
+async fn bench(args: BenchArgs, out: &mut dyn Write) -> Result<(), CliError> {
+    use crate::store::BackendKind;
+    let backends = match args.backend {
+        BenchBackend::Sqlite => vec![BackendKind::Sqlite],
+        BenchBackend::Postgres => vec![BackendKind::Postgres],
+        BenchBackend::Both => vec![BackendKind::Sqlite, BackendKind::Postgres],
+    };
+    let svg = args.svg.unwrap_or_else(|| {
+        args.out
+            .parent()
+            .map(|p| p.join("bench-latency.svg"))
+            .unwrap_or_else(|| PathBuf::from("bench-latency.svg"))
+    });
+    let command = std::env::args()
+        .map(|a| {
+            if a.contains("://") && a.contains('@') {
+                // An admin URL may hold a password.
+                "<url>".to_owned()
+            } else {
+                a
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ");
+    let config = crate::bench::BenchConfig {
+        backends,
+        quick: args.quick,
+        out: args.out,
+        svg,
+        postgres_url: args.postgres_url,
+        dir: args.dir,
+        command,
+    };
+    crate::bench::run(&config, out).await?;
+    Ok(())
+}
+
 /// Completes on Ctrl-C or SIGTERM (what `docker stop` and systemd send).
 async fn shutdown_signal() {
     #[cfg(unix)]
@@ -372,10 +470,10 @@ async fn run_on(
     out: &mut dyn Write,
 ) -> Result<(), CliError> {
     match command {
-        Command::Serve(_) | Command::Openapi => {
+        Command::Serve(_) | Command::Openapi | Command::Bench(_) | Command::BenchPhase { .. } => {
             // `run` answers these before opening a borrowed store.
             return Err(CliError::Input(
-                "serve and openapi are run by `run`, not on an open store".to_owned(),
+                "serve, openapi and bench are run by `run`, not on an open store".to_owned(),
             ));
         }
         Command::Migrate => {

@@ -11,12 +11,16 @@
 //!
 //! Layout: [`event`] (types, parsed once at the boundary), [`validate`] (the
 //! rules, pure), [`projector`] (the fold, pure), [`store`] (both backends,
-//! one API), [`cli`] (the binary's commands).
+//! one API), [`cli`] (the binary's commands), [`bench`] (`session-store
+//! bench`), [`pgtemp`] (throw-away PostgreSQL servers for tests and the
+//! bench).
 
+pub mod bench;
 pub mod cli;
 pub mod error;
 pub mod event;
 pub mod integrity;
+pub mod pgtemp;
 pub mod projector;
 pub mod server;
 pub mod store;

@@ -252,7 +252,7 @@ async fn postgres_restart_in_the_middle_of_a_load_loses_nothing() {
         eprintln!("SKIPPED: no PostgreSQL binaries");
         return;
     };
-    let server = Arc::new(common::PgServer::start(&bin));
+    let server = Arc::new(common::start_pg_server(&bin));
     let url = server.url();
     let store = Arc::new(Store::open(&url).await.unwrap());
     let sessions: Vec<Uuid> = (0..4).map(|_| Uuid::new_v4()).collect();
@@ -299,7 +299,7 @@ async fn postgres_restart_in_the_middle_of_a_load_loses_nothing() {
     tokio::task::spawn_blocking(move || {
         s2.stop();
         std::thread::sleep(Duration::from_millis(1500));
-        s2.launch();
+        s2.launch().unwrap();
     })
     .await
     .unwrap();

@@ -18,8 +18,8 @@
 //! appending to a long session does not re-read its history.
 
 mod chain;
-mod postgres;
-mod sqlite;
+pub(crate) mod postgres;
+pub(crate) mod sqlite;
 mod subscribe;
 
 pub use chain::{ChainHead, IntegrityReport};

@@ -59,13 +59,22 @@ fn decode(row: Row) -> Result<StoredEvent> {
     })
 }
 
+/// Connections in the pool.
+pub(crate) const MAX_CONNECTIONS: u32 = 8;
+
+/// The connection settings of the module docs; the bench opens its
+/// raw-insert ceiling with the same ones.
+pub(crate) fn connect_options(url: &str) -> Result<PgConnectOptions> {
+    Ok(PgConnectOptions::from_str(url)
+        .map_err(|_| Error::BadUrl(url.to_owned()))?
+        .options(SESSION_SETTINGS))
+}
+
 impl PgBackend {
     pub(crate) async fn connect(url: &str, options: &StoreOptions) -> Result<PgBackend> {
-        let connect = PgConnectOptions::from_str(url)
-            .map_err(|_| Error::BadUrl(url.to_owned()))?
-            .options(SESSION_SETTINGS);
+        let connect = connect_options(url)?;
         let pool = PgPoolOptions::new()
-            .max_connections(8)
+            .max_connections(MAX_CONNECTIONS)
             .acquire_timeout(Duration::from_secs(options.connect_timeout_secs.max(1)))
             .connect_with(connect)
             .await

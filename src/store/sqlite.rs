@@ -58,19 +58,32 @@ fn path_of(url: &str) -> &str {
         .unwrap_or(url)
 }
 
+/// Connections in the pool: readers run beside the one writer (WAL).
+pub(crate) const MAX_CONNECTIONS: u32 = 4;
+
+/// The connection settings of the module docs (WAL, `synchronous=FULL`, a
+/// busy timeout); the bench opens its raw-insert ceiling with the same ones.
+pub(crate) fn connect_options(url: &str) -> Result<SqliteConnectOptions> {
+    let path = path_of(url);
+    if path.is_empty() {
+        return Err(Error::BadUrl(url.to_owned()));
+    }
+    Ok(SqliteConnectOptions::from_str(&format!("sqlite://{path}"))
+        .map_err(|_| Error::BadUrl(url.to_owned()))?
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .synchronous(SqliteSynchronous::Full)
+        .busy_timeout(Duration::from_secs(10))
+        .foreign_keys(true))
+}
+
 impl SqliteBackend {
     pub(crate) async fn connect(url: &str, options: &StoreOptions) -> Result<SqliteBackend> {
         let path = path_of(url);
         if path.is_empty() {
             return Err(Error::BadUrl(url.to_owned()));
         }
-        let connect = SqliteConnectOptions::from_str(&format!("sqlite://{path}"))
-            .map_err(|_| Error::BadUrl(url.to_owned()))?
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(SqliteSynchronous::Full)
-            .busy_timeout(Duration::from_secs(10))
-            .foreign_keys(true);
+        let connect = connect_options(url)?;
         // Turning a new file into WAL mode needs an exclusive lock, and SQLite
         // answers BUSY at once (without the busy handler) while another
         // process holds the file; so opening retries for a few seconds.
@@ -78,7 +91,7 @@ impl SqliteBackend {
         loop {
             attempt += 1;
             let result = SqlitePoolOptions::new()
-                .max_connections(4)
+                .max_connections(MAX_CONNECTIONS)
                 .acquire_timeout(Duration::from_secs(
                     options.connect_timeout_secs.max(1) + 10,
                 ))

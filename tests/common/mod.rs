@@ -2,10 +2,10 @@
 //! database (or SQLite file) per test, so every storage test runs on both
 //! backends.
 //!
-//! The server is started with `initdb` into a temp dir and `postgres` on a
-//! free loopback port; as root it runs as the `postgres` system user. A
-//! watchdog shell stops it and removes its directory when the test process
-//! exits. `TEST_DATABASE_URL` replaces the throw-away server when set.
+//! The server is `session_store::pgtemp` (`initdb` into a temp dir,
+//! `postgres` on a free loopback port, as the `postgres` system user when
+//! root, a watchdog that stops it when the test process exits), run with
+//! `fsync=off`. `TEST_DATABASE_URL` replaces the throw-away server when set.
 //! Without PostgreSQL binaries the PostgreSQL half of a test is skipped with
 //! a message, except under `CI=true`, where it fails.
 
@@ -13,12 +13,9 @@
 
 pub mod gen;
 
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
 
 /// Where a backend for one test lives.
 pub struct TestDb {
@@ -89,7 +86,7 @@ pub fn postgres_admin_url() -> Option<String> {
             return Some(url);
         }
         match find_pg_bin() {
-            Some(bin) => Some(PgServer::start(&bin).url()),
+            Some(bin) => Some(start_pg_server(&bin).url()),
             None if std::env::var("CI").as_deref() == Ok("true") => {
                 panic!("CI=true but no PostgreSQL server binaries (initdb, postgres) were found on PATH or in /usr/lib/postgresql/*/bin")
             }
@@ -102,179 +99,21 @@ pub fn postgres_admin_url() -> Option<String> {
     .clone()
 }
 
-/// The directory holding `initdb` and `postgres`.
-pub fn find_pg_bin() -> Option<PathBuf> {
-    let mut candidates: Vec<PathBuf> = Vec::new();
-    if let Ok(dir) = std::env::var("PG_BIN") {
-        candidates.push(dir.into());
-    }
-    if let Some(path) = std::env::var_os("PATH") {
-        candidates.extend(std::env::split_paths(&path));
-    }
-    if let Ok(entries) = std::fs::read_dir("/usr/lib/postgresql") {
-        let mut versions: Vec<PathBuf> = entries.flatten().map(|e| e.path().join("bin")).collect();
-        versions.sort();
-        versions.reverse();
-        candidates.extend(versions);
-    }
-    candidates
-        .into_iter()
-        .find(|d| d.join("initdb").is_file() && d.join("postgres").is_file())
-}
-
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-        .unwrap_or(false)
-}
-
-/// Runs a command, as the `postgres` user when we are root.
-pub fn pg_command(bin: &Path, program: &str) -> Command {
-    if is_root() {
-        let mut c = Command::new("runuser");
-        c.args(["-u", "postgres", "--"]).arg(bin.join(program));
-        c
-    } else {
-        Command::new(bin.join(program))
-    }
-}
+pub use session_store::pgtemp::{find_pg_bin, PgServer};
 
 /// A free loopback port (bound and released).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
+    session_store::pgtemp::free_port().expect("free port")
 }
 
-/// A throw-away PostgreSQL server.
-pub struct PgServer {
-    pub bin: PathBuf,
-    pub dir: PathBuf,
-    pub port: u16,
-}
-
-impl PgServer {
-    /// initdb + start; the watchdog stops it when this process exits.
-    pub fn start(bin: &Path) -> PgServer {
-        let dir = std::env::temp_dir().join(format!(
-            "session-store-pg-{}-{}",
-            std::process::id(),
-            uuid::Uuid::new_v4().simple()
-        ));
-        std::fs::create_dir_all(&dir).expect("pg dir");
-        if is_root() {
-            let ok = Command::new("chown")
-                .args(["-R", "postgres:postgres"])
-                .arg(&dir)
-                .status()
-                .map(|s| s.success())
-                .unwrap_or(false);
-            assert!(ok, "chown of {} to postgres failed", dir.display());
-        }
-        let data = dir.join("data");
-        let out = pg_command(bin, "initdb")
-            .args(["-D"])
-            .arg(&data)
-            .args(["-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"])
-            .output()
-            .expect("run initdb");
-        assert!(
-            out.status.success(),
-            "initdb failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let server = PgServer {
-            bin: bin.to_owned(),
-            dir,
-            port: free_port(),
-        };
-        server.launch();
-        server.spawn_watchdog();
-        server
-    }
-
-    /// Starts the server on its data dir and waits until it accepts.
-    pub fn launch(&self) {
-        let data = self.dir.join("data");
-        let log = self.dir.join("server.log");
-        let out = pg_command(&self.bin, "pg_ctl")
-            .arg("-D")
-            .arg(&data)
-            .arg("-l")
-            .arg(&log)
-            .arg("-o")
-            .arg(format!(
-                "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200",
-                self.port,
-                self.dir.display()
-            ))
-            .args(["-w", "-t", "60", "start"])
-            .stdin(Stdio::null())
-            .output()
-            .expect("run pg_ctl start");
-        assert!(
-            out.status.success(),
-            "pg_ctl start failed: {} {}",
-            String::from_utf8_lossy(&out.stdout),
-            std::fs::read_to_string(&log).unwrap_or_default()
-        );
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            assert!(Instant::now() < deadline, "PostgreSQL did not start");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    /// Stops the server immediately (fault injection).
-    pub fn stop(&self) {
-        let _ = pg_command(&self.bin, "pg_ctl")
-            .arg("-D")
-            .arg(self.dir.join("data"))
-            .args(["-m", "immediate", "-w", "stop"])
-            .output();
-    }
-
-    /// A shell that waits for this process to exit, then stops the server
-    /// and removes its directory.
-    // The watchdog must outlive this process, so it is never waited for.
-    #[allow(clippy::zombie_processes)]
-    fn spawn_watchdog(&self) {
-        let pg_ctl = self.bin.join("pg_ctl");
-        let data = self.dir.join("data");
-        let stop = if is_root() {
-            format!(
-                "runuser -u postgres -- {} -D {} -m immediate stop",
-                pg_ctl.display(),
-                data.display()
-            )
-        } else {
-            format!(
-                "{} -D {} -m immediate stop",
-                pg_ctl.display(),
-                data.display()
-            )
-        };
-        let script = format!(
-            "while kill -0 {pid} 2>/dev/null; do sleep 0.5; done; {stop} >/dev/null 2>&1; rm -rf {dir}",
-            pid = std::process::id(),
-            dir = self.dir.display()
-        );
-        Command::new("sh")
-            .args(["-c", &script])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn watchdog");
-    }
-
-    /// The admin URL.
-    pub fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
-    }
+/// Starts a throw-away server for tests: `fsync=off`, since tests check
+/// behaviour, not durability.
+pub fn start_pg_server(bin: &Path) -> PgServer {
+    let options = session_store::pgtemp::PgTempOptions {
+        fsync: false,
+        ..Default::default()
+    };
+    PgServer::start(bin, options).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Writes a test body once and runs it on both backends:

@@ -1,0 +1,444 @@
+//! Phase 1, append throughput: the store against a raw-insert ceiling
+//! measured in the same run.
+//!
+//! Each cell of the grid (batch size × writers × distinct or shared
+//! session) runs for a fixed time per repeat, store and ceiling
+//! alternating (which goes first flips every repeat, so drift in a noisy
+//! machine hits both alike).
+//!
+//! - **Store**: `Store::append` of the realistic mix (`workload`), each
+//!   writer at its own session's head, or, on one shared session, at the
+//!   head it last saw: on a conflict it retries at once from the seq the
+//!   conflict names (the loop of `Store::append_at_head` without its
+//!   backoff, so that conflicts cost only what the store makes them cost).
+//! - **Ceiling**: the same events, serialized to the same JSON, inserted into
+//!   a bare table with the columns and unique keys of `events` and nothing
+//!   else: one multi-row `INSERT` per batch, on its own (a statement is a
+//!   transaction), with the same driver (sqlx), the same connection settings
+//!   and pool size as the store's backend, and so the same durability
+//!   (SQLite WAL with `synchronous=FULL`; PostgreSQL with `fsync` and
+//!   `synchronous_commit` on). It validates nothing, keeps no view and takes
+//!   no store-wide lock: what the engine and driver allow, which no store on
+//!   top of them can beat.
+
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use sqlx::{PgPool, QueryBuilder, Sqlite, SqlitePool};
+use uuid::Uuid;
+
+use super::stats::Spread;
+use super::workload::{Mix, TextPool};
+use super::BenchError;
+use crate::error::Error;
+use crate::event::NewEvent;
+use crate::store::{BackendKind, Store};
+
+/// Target ratio store/ceiling for batches (issue 7).
+pub const BATCH_TARGET: f64 = 0.7;
+/// Target ratio store/ceiling for single events.
+pub const SINGLE_TARGET: f64 = 0.5;
+
+/// The grid and how long each measurement runs.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct AppendPlan {
+    /// Events per append.
+    pub batches: Vec<usize>,
+    /// Concurrent writers.
+    pub writers: Vec<usize>,
+    /// Repeats of each cell (store and ceiling each).
+    pub repeats: usize,
+    /// How long each repeat appends.
+    pub seconds: f64,
+}
+
+impl AppendPlan {
+    /// The full grid (`quick`: shorter and fewer repeats, same cells).
+    pub fn new(quick: bool) -> AppendPlan {
+        AppendPlan {
+            batches: vec![1, 10, 100],
+            writers: vec![1, 4, 16],
+            repeats: if quick { 3 } else { 5 },
+            seconds: if quick { 0.1 } else { 0.6 },
+        }
+    }
+}
+
+/// One cell's figures.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct AppendCell {
+    /// `distinct` (one session per writer) or `shared` (one session).
+    pub sessions: String,
+    /// Concurrent writers.
+    pub writers: usize,
+    /// Events per append.
+    pub batch: usize,
+    /// The store, events/s.
+    pub store: Spread,
+    /// The raw-insert ceiling, events/s.
+    pub ceiling: Spread,
+    /// Median store / median ceiling.
+    pub ratio: f64,
+    /// The target for this ratio.
+    pub target: f64,
+    /// `ratio >= target`.
+    pub meets_target: bool,
+    /// Conflicts per successful store append (shared session only).
+    pub conflicts_per_append: f64,
+}
+
+/// The phase's result.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct AppendResult {
+    /// What was run.
+    pub plan: AppendPlan,
+    /// One entry per cell.
+    pub cells: Vec<AppendCell>,
+}
+
+/// Runs the grid on the store at `url`.
+pub async fn run(url: &str, quick: bool) -> Result<AppendResult, BenchError> {
+    let plan = AppendPlan::new(quick);
+    let store = Arc::new(Store::open(url).await?);
+    let raw = Arc::new(Raw::open(store.kind(), url).await?);
+    let pool = Arc::new(TextPool::new());
+    let duration = Duration::from_secs_f64(plan.seconds);
+    let mut cells = Vec::new();
+    for shared in [false, true] {
+        for &writers in &plan.writers {
+            for &batch in &plan.batches {
+                let mut store_rates = Vec::new();
+                let mut ceiling_rates = Vec::new();
+                let (mut conflicts, mut appends) = (0u64, 0u64);
+                for rep in 0..plan.repeats {
+                    let cell = Cell {
+                        batch,
+                        writers,
+                        shared,
+                        duration,
+                        seed: rep as u64,
+                    };
+                    for side in 0..2 {
+                        if (rep + side) % 2 == 0 {
+                            let m = cell.store(&store, &pool).await?;
+                            conflicts += m.conflicts;
+                            appends += m.appends;
+                            store_rates.push(m.rate);
+                        } else {
+                            ceiling_rates.push(cell.ceiling(&raw, &pool).await?.rate);
+                        }
+                    }
+                }
+                let store_s = Spread::of(&store_rates);
+                let ceiling_s = Spread::of(&ceiling_rates);
+                let ratio = store_s.median / ceiling_s.median.max(f64::MIN_POSITIVE);
+                let target = if batch == 1 {
+                    SINGLE_TARGET
+                } else {
+                    BATCH_TARGET
+                };
+                let kind = if shared { "shared" } else { "distinct" };
+                tracing::info!(
+                    kind,
+                    writers,
+                    batch,
+                    store = store_s.median,
+                    ceiling = ceiling_s.median,
+                    "append cell"
+                );
+                eprintln!(
+                    "  append {kind:>8} writers={writers:<2} batch={batch:<3}: store {:>8.0} ev/s, ceiling {:>8.0} ev/s, ratio {ratio:.2}",
+                    store_s.median, ceiling_s.median
+                );
+                cells.push(AppendCell {
+                    sessions: kind.to_owned(),
+                    writers,
+                    batch,
+                    store: store_s,
+                    ceiling: ceiling_s,
+                    ratio,
+                    target,
+                    meets_target: ratio >= target,
+                    conflicts_per_append: conflicts as f64 / appends.max(1) as f64,
+                });
+            }
+        }
+    }
+    store.close().await;
+    raw.close().await;
+    Ok(AppendResult { plan, cells })
+}
+
+/// One repeat of one cell.
+struct Cell {
+    batch: usize,
+    writers: usize,
+    shared: bool,
+    duration: Duration,
+    seed: u64,
+}
+
+/// What one repeat measured.
+struct Measured {
+    rate: f64,
+    conflicts: u64,
+    appends: u64,
+}
+
+impl Cell {
+    /// The sessions the writers append to: fresh ones, one per writer or
+    /// one for all.
+    fn sessions(&self) -> Vec<Uuid> {
+        let one = Uuid::new_v4();
+        (0..self.writers)
+            .map(|_| if self.shared { one } else { Uuid::new_v4() })
+            .collect()
+    }
+
+    async fn store(&self, store: &Arc<Store>, pool: &Arc<TextPool>) -> Result<Measured, Error> {
+        let sessions = self.sessions();
+        let mut heads = Vec::new();
+        for (w, s) in sessions.iter().enumerate() {
+            if w == 0 || !self.shared {
+                let header = Mix::header().into_iter().map(NewEvent::new).collect();
+                store.append(*s, 0, header).await?;
+            }
+            heads.push(Mix::header().len() as i64);
+        }
+        // The latest seq any writer saw on the shared session: what the
+        // store's own state cache would guess for `append_at_head`.
+        let latest = Arc::new(AtomicI64::new(Mix::header().len() as i64));
+        let conflicts = Arc::new(AtomicU64::new(0));
+        let start = Instant::now();
+        let deadline = start + self.duration;
+        let mut tasks = Vec::new();
+        for (w, (session, head)) in sessions.into_iter().zip(heads).enumerate() {
+            let store = store.clone();
+            let latest = latest.clone();
+            let conflicts = conflicts.clone();
+            let mut mix = Mix::new(pool.clone(), w, self.seed);
+            let batch = self.batch;
+            let shared = self.shared;
+            tasks.push(tokio::spawn(async move {
+                let mut head = head;
+                let (mut events, mut appends) = (0u64, 0u64);
+                while Instant::now() < deadline {
+                    let events_of_batch = mix.next_batch(batch);
+                    if shared {
+                        head = head.max(latest.load(Ordering::Relaxed));
+                    }
+                    loop {
+                        match store.append(session, head, events_of_batch.clone()).await {
+                            Ok(outcome) => {
+                                head = outcome.events.last().map(|a| a.seq).unwrap_or(head);
+                                latest.fetch_max(head, Ordering::Relaxed);
+                                break;
+                            }
+                            Err(Error::Conflict { current, .. }) if shared => {
+                                conflicts.fetch_add(1, Ordering::Relaxed);
+                                head = current;
+                            }
+                            Err(e) if e.is_retryable() => {
+                                tokio::time::sleep(Duration::from_millis(1)).await;
+                            }
+                            Err(e) => return Err(e),
+                        }
+                    }
+                    events += batch as u64;
+                    appends += 1;
+                }
+                Ok((events, appends))
+            }));
+        }
+        let (events, appends) = join(tasks).await?;
+        let elapsed = start.elapsed().as_secs_f64();
+        Ok(Measured {
+            rate: events as f64 / elapsed,
+            conflicts: conflicts.load(Ordering::Relaxed),
+            appends,
+        })
+    }
+
+    async fn ceiling(&self, raw: &Arc<Raw>, pool: &Arc<TextPool>) -> Result<Measured, Error> {
+        let sessions = self.sessions();
+        // Seqs come from a counter per session (shared by the writers of a
+        // shared session): the ceiling has no conflicts to pay for.
+        let one = Arc::new(AtomicI64::new(0));
+        let counters: Vec<Arc<AtomicI64>> = (0..self.writers)
+            .map(|_| match self.shared {
+                true => one.clone(),
+                false => Arc::new(AtomicI64::new(0)),
+            })
+            .collect();
+        let start = Instant::now();
+        let deadline = start + self.duration;
+        let mut tasks = Vec::new();
+        for (w, (session, counter)) in sessions.into_iter().zip(counters).enumerate() {
+            let raw = raw.clone();
+            let mut mix = Mix::new(pool.clone(), w, self.seed);
+            let batch = self.batch;
+            tasks.push(tokio::spawn(async move {
+                let (mut events, mut appends) = (0u64, 0u64);
+                while Instant::now() < deadline {
+                    let events_of_batch = mix.next_batch(batch);
+                    let first = counter.fetch_add(batch as i64, Ordering::Relaxed) + 1;
+                    raw.insert(session, first, &events_of_batch).await?;
+                    events += batch as u64;
+                    appends += 1;
+                }
+                Ok((events, appends))
+            }));
+        }
+        let (events, appends) = join(tasks).await?;
+        let elapsed = start.elapsed().as_secs_f64();
+        Ok(Measured {
+            rate: events as f64 / elapsed,
+            conflicts: 0,
+            appends,
+        })
+    }
+}
+
+type Counts = tokio::task::JoinHandle<Result<(u64, u64), Error>>;
+
+async fn join(tasks: Vec<Counts>) -> Result<(u64, u64), Error> {
+    let (mut events, mut appends) = (0, 0);
+    for t in tasks {
+        let (e, a) = t
+            .await
+            .map_err(|e| Error::Database(format!("a bench writer task failed: {e}")))??;
+        events += e;
+        appends += a;
+    }
+    Ok((events, appends))
+}
+
+/// The ceiling's bare table, on the store's own database.
+pub(crate) enum Raw {
+    Sqlite(SqlitePool),
+    Postgres(PgPool),
+}
+
+/// A fixed chain hash: the ceiling stores a value of the same size as the
+/// store's sha256 hex without computing it.
+const HASH: &str = "0000000000000000000000000000000000000000000000000000000000000000";
+
+impl Raw {
+    pub(crate) async fn open(kind: BackendKind, url: &str) -> Result<Raw, Error> {
+        match kind {
+            BackendKind::Sqlite => {
+                let pool = sqlx::sqlite::SqlitePoolOptions::new()
+                    .max_connections(crate::store::sqlite::MAX_CONNECTIONS)
+                    .connect_with(crate::store::sqlite::connect_options(url)?)
+                    .await
+                    .map_err(Error::from_sqlx)?;
+                sqlx::raw_sql(
+                    "CREATE TABLE IF NOT EXISTS bench_raw (
+                        position    INTEGER PRIMARY KEY,
+                        session_id  TEXT    NOT NULL,
+                        seq         INTEGER NOT NULL,
+                        event_id    TEXT    NOT NULL UNIQUE,
+                        type        TEXT    NOT NULL,
+                        payload     TEXT    NOT NULL,
+                        recorded_at TEXT    NOT NULL,
+                        hash        TEXT,
+                        UNIQUE (session_id, seq))",
+                )
+                .execute(&pool)
+                .await
+                .map_err(Error::from_sqlx)?;
+                Ok(Raw::Sqlite(pool))
+            }
+            BackendKind::Postgres => {
+                let pool = sqlx::postgres::PgPoolOptions::new()
+                    .max_connections(crate::store::postgres::MAX_CONNECTIONS)
+                    .connect_with(crate::store::postgres::connect_options(url)?)
+                    .await
+                    .map_err(Error::from_sqlx)?;
+                sqlx::raw_sql(
+                    "CREATE TABLE IF NOT EXISTS bench_raw (
+                        position    BIGSERIAL   PRIMARY KEY,
+                        session_id  UUID        NOT NULL,
+                        seq         BIGINT      NOT NULL,
+                        event_id    UUID        NOT NULL UNIQUE,
+                        type        TEXT        NOT NULL,
+                        payload     TEXT        NOT NULL,
+                        recorded_at TIMESTAMPTZ NOT NULL,
+                        hash        TEXT,
+                        UNIQUE (session_id, seq))",
+                )
+                .execute(&pool)
+                .await
+                .map_err(Error::from_sqlx)?;
+                Ok(Raw::Postgres(pool))
+            }
+        }
+    }
+
+    /// One statement inserting the batch with seqs `first_seq..`.
+    pub(crate) async fn insert(
+        &self,
+        session: Uuid,
+        first_seq: i64,
+        events: &[NewEvent],
+    ) -> Result<(), Error> {
+        let now = chrono::Utc::now();
+        let rows: Vec<(i64, Uuid, &'static str, String)> = events
+            .iter()
+            .enumerate()
+            .map(|(i, e)| {
+                (
+                    first_seq + i as i64,
+                    e.event_id.unwrap_or_else(Uuid::now_v7),
+                    e.body.type_name(),
+                    e.body.to_json_text(),
+                )
+            })
+            .collect();
+        match self {
+            Raw::Sqlite(pool) => {
+                let at = now.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+                let mut q = QueryBuilder::<Sqlite>::new(
+                    "INSERT INTO bench_raw (session_id, seq, event_id, type, payload, recorded_at, hash) ",
+                );
+                q.push_values(&rows, |mut b, (seq, id, ty, payload)| {
+                    b.push_bind(session.to_string())
+                        .push_bind(*seq)
+                        .push_bind(id.to_string())
+                        .push_bind(*ty)
+                        .push_bind(payload.as_str())
+                        .push_bind(at.as_str())
+                        .push_bind(HASH);
+                });
+                q.build().execute(pool).await.map_err(Error::from_sqlx)?;
+            }
+            Raw::Postgres(pool) => {
+                let n = rows.len();
+                sqlx::query(
+                    "INSERT INTO bench_raw (session_id, seq, event_id, type, payload, recorded_at, hash) \
+                     SELECT * FROM UNNEST($1::UUID[], $2::BIGINT[], $3::UUID[], $4::TEXT[], $5::TEXT[], $6::TIMESTAMPTZ[], $7::TEXT[])",
+                )
+                .bind(vec![session; n])
+                .bind(rows.iter().map(|r| r.0).collect::<Vec<_>>())
+                .bind(rows.iter().map(|r| r.1).collect::<Vec<_>>())
+                .bind(rows.iter().map(|r| r.2).collect::<Vec<_>>())
+                .bind(rows.iter().map(|r| r.3.as_str()).collect::<Vec<_>>())
+                .bind(vec![now; n])
+                .bind(vec![HASH; n])
+                .execute(pool)
+                .await
+                .map_err(Error::from_sqlx)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) async fn close(&self) {
+        match self {
+            Raw::Sqlite(p) => p.close().await,
+            Raw::Postgres(p) => p.close().await,
+        }
+    }
+}

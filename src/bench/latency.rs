@@ -1,0 +1,266 @@
+//! Phase 2, pre-request latency: what a sidecar reads before each model
+//! request (the latest activation set and effective context), against the
+//! naive fold of the whole log that a store without a view (a JSONL file,
+//! the agent SDK sessions of `shared/notes/measured-ceilings.md`) must do.
+//!
+//! Three steps, each its own child process so each has its own peak RSS:
+//!
+//! - **build**: one session per size, written with the realistic mix in
+//!   appends of 1 000 events through `Store::append` (timed: the bulk-load
+//!   throughput). Every session ends on the same kind of recent past: a
+//!   compaction, ten turns of the mix and a prompt, so the effective window
+//!   is about the same at every size and only the history before it grows.
+//! - **read**: per size, `Store::activations` then `Store::context`, both
+//!   "as of the latest event", each sample after `Store::clear_cache` (a
+//!   freshly started sidecar's cold path: the view, the window, the events
+//!   after the view); p50/p99 over the samples.
+//! - **fold**: per size, every event from seq 1 by `Store::history` pages,
+//!   folded with `SessionState::apply`, then the same two answers.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use super::stats::Latency;
+use super::workload::{Mix, TextPool};
+use super::BenchError;
+use crate::event::{EventBody, NewEvent};
+use crate::projector::SessionState;
+use crate::store::{BackendKind, Store};
+
+/// Events per append while building.
+pub const BUILD_BATCH: usize = 1_000;
+
+/// Target p99 of the pre-request read at 10^6 events, ms (issue 7).
+pub fn p99_target_ms(kind: BackendKind) -> f64 {
+    match kind {
+        BackendKind::Sqlite => 2.0,
+        BackendKind::Postgres => 5.0,
+    }
+}
+
+/// The session lengths measured.
+pub fn sizes(quick: bool) -> Vec<u64> {
+    if quick {
+        vec![1_000, 10_000]
+    } else {
+        vec![1_000, 10_000, 100_000, 1_000_000]
+    }
+}
+
+/// One built session.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Built {
+    /// The nominal size (10^k).
+    pub size: u64,
+    /// The session.
+    pub session_id: Uuid,
+    /// Its events.
+    pub events: i64,
+    /// Seconds the build took.
+    pub seconds: f64,
+    /// Events per second of the build.
+    pub events_per_s: f64,
+}
+
+/// Builds one session per size.
+pub async fn build(url: &str, quick: bool) -> Result<Vec<Built>, BenchError> {
+    let store = Store::open(url).await?;
+    let pool = Arc::new(TextPool::new());
+    let mut out = Vec::new();
+    for (i, size) in sizes(quick).into_iter().enumerate() {
+        let session = Uuid::new_v4();
+        let mut mix = Mix::new(pool.clone(), 0, 100 + i as u64);
+        let started = Instant::now();
+        let mut head = 0i64;
+        let mut pending: Vec<NewEvent> = Mix::header().into_iter().map(NewEvent::new).collect();
+        // The history: all but about the last 70 events.
+        let history = size.saturating_sub(70) as i64;
+        while head + (pending.len() as i64) < history {
+            let left = (history - head) as usize - pending.len();
+            let room = BUILD_BATCH.saturating_sub(pending.len());
+            pending.extend(mix.next_batch(left.min(room)));
+            let batch = std::mem::take(&mut pending);
+            let n = batch.len() as i64;
+            store.append(session, head, batch).await?;
+            head += n;
+        }
+        // The recent past, the same at every size.
+        let mut tail: Vec<EventBody> = std::mem::take(&mut pending)
+            .into_iter()
+            .map(|e| e.body)
+            .collect();
+        tail.extend(mix.drain_turn());
+        tail.push(mix.compaction());
+        mix.housekeeping = false;
+        for _ in 0..10 {
+            tail.push(mix.next_body());
+            tail.extend(mix.drain_turn());
+        }
+        tail.push(EventBody::PromptSubmitted {
+            text: "the next request".into(),
+        });
+        let tail: Vec<NewEvent> = tail.into_iter().map(NewEvent::new).collect();
+        let n = tail.len() as i64;
+        store.append(session, head, tail).await?;
+        head += n;
+        let seconds = started.elapsed().as_secs_f64();
+        eprintln!(
+            "  built a session of {head} events in {seconds:.1} s ({:.0} events/s)",
+            head as f64 / seconds
+        );
+        out.push(Built {
+            size,
+            session_id: session,
+            events: head,
+            seconds,
+            events_per_s: head as f64 / seconds,
+        });
+    }
+    store.close().await;
+    Ok(out)
+}
+
+/// The pre-request read of one session.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Read {
+    /// The nominal size.
+    pub size: u64,
+    /// The session's events.
+    pub events: i64,
+    /// Events of the effective window (from its start to the latest).
+    pub window_events: i64,
+    /// Bytes of JSON of the context's rows.
+    pub context_bytes: usize,
+    /// Activations + context, cold cache.
+    pub pre_request: Latency,
+    /// Activations alone, cold cache.
+    pub activations_only: Latency,
+}
+
+/// Samples per size.
+fn read_samples(quick: bool) -> usize {
+    if quick {
+        101
+    } else {
+        301
+    }
+}
+
+/// Measures the pre-request read of each built session.
+pub async fn read(url: &str, quick: bool, built: &[Built]) -> Result<Vec<Read>, BenchError> {
+    let store = Store::open(url).await?;
+    let mut out = Vec::new();
+    for b in built {
+        let s = b.session_id;
+        let recovery = store.recover(s).await?;
+        let context = store.context(s, None).await?;
+        let context_bytes = context
+            .rows
+            .iter()
+            .map(|r| r.body.to_json_text().len())
+            .sum();
+        for _ in 0..5 {
+            store.clear_cache();
+            std::hint::black_box(store.activations(s, None).await?);
+            std::hint::black_box(store.context(s, None).await?);
+        }
+        let mut both = Vec::new();
+        let mut alone = Vec::new();
+        for _ in 0..read_samples(quick) {
+            store.clear_cache();
+            let t = Instant::now();
+            let a = store.activations(s, None).await?;
+            let c = store.context(s, None).await?;
+            both.push(t.elapsed());
+            std::hint::black_box((a, c));
+            store.clear_cache();
+            let t = Instant::now();
+            std::hint::black_box(store.activations(s, None).await?);
+            alone.push(t.elapsed());
+        }
+        let r = Read {
+            size: b.size,
+            events: recovery.latest_seq,
+            window_events: recovery.latest_seq - recovery.context_start_seq + 1,
+            context_bytes,
+            pre_request: Latency::of(&both),
+            activations_only: Latency::of(&alone),
+        };
+        eprintln!(
+            "  pre-request read at {} events: p50 {:.3} ms, p99 {:.3} ms",
+            r.events, r.pre_request.p50_ms, r.pre_request.p99_ms
+        );
+        out.push(r);
+    }
+    store.close().await;
+    Ok(out)
+}
+
+/// The naive fold of one session.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Fold {
+    /// The nominal size.
+    pub size: u64,
+    /// The session's events.
+    pub events: i64,
+    /// Whole-log fold + the two answers.
+    pub fold: Latency,
+}
+
+fn fold_repeats(size: u64, quick: bool) -> usize {
+    match (size, quick) {
+        (_, true) if size <= 1_000 => 11,
+        (_, true) => 5,
+        (..=1_000, _) => 21,
+        (..=10_000, _) => 11,
+        (..=100_000, _) => 5,
+        _ => 2,
+    }
+}
+
+/// Folds every event of the session from seq 1.
+pub async fn naive_fold(store: &Store, session: Uuid) -> Result<SessionState, BenchError> {
+    let mut state = SessionState::empty(session);
+    loop {
+        let page = store.history(session, state.seq, 5_000).await?;
+        if page.is_empty() {
+            return Ok(state);
+        }
+        for e in &page {
+            state.apply(e);
+        }
+    }
+}
+
+/// Measures the naive fold of each built session.
+pub async fn fold(url: &str, quick: bool, built: &[Built]) -> Result<Vec<Fold>, BenchError> {
+    let store = Store::open(url).await?;
+    let mut out = Vec::new();
+    for b in built {
+        let mut samples: Vec<Duration> = Vec::new();
+        let mut events = 0;
+        for _ in 0..fold_repeats(b.size, quick) {
+            let t = Instant::now();
+            let state = naive_fold(&store, b.session_id).await?;
+            let answers = (state.activations(), state.context());
+            samples.push(t.elapsed());
+            events = state.seq;
+            std::hint::black_box(answers);
+        }
+        let f = Fold {
+            size: b.size,
+            events,
+            fold: Latency::of(&samples),
+        };
+        eprintln!(
+            "  naive fold at {} events: median {:.1} ms over {} runs",
+            f.events, f.fold.p50_ms, f.fold.n
+        );
+        out.push(f);
+    }
+    store.close().await;
+    Ok(out)
+}

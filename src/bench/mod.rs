@@ -1,0 +1,532 @@
+//! `session-store bench`: the store against its ceilings and baselines, in
+//! one run, on SQLite and PostgreSQL (issue 7; results in
+//! docs/benchmarks.md).
+//!
+//! Per backend, four questions, each answered beside what bounds it:
+//!
+//! 1. append throughput of the realistic mix ([`workload`]) against raw
+//!    inserts of the same rows with the same driver and durability
+//!    ([`append`]);
+//! 2. the pre-request read (latest activation set and context) at 10^3 …
+//!    10^6 events against the naive fold of the whole log ([`latency`]);
+//! 3. opening a store and recovering a session at the largest size, and
+//!    rebuilding every view ([`recovery`]);
+//! 4. the peak RSS of each of those phases.
+//!
+//! Peak RSS can only be read, not reset, so every phase runs in its own
+//! child process: the bench re-executes its own binary with the hidden
+//! `bench-phase` command and a JSON [`PhaseSpec`]; the child runs one phase
+//! and prints one JSON line, its result and its own `VmHWM` read from
+//! `/proc/self/status` just before it exits. The parent owns the databases
+//! (temp SQLite files, a throw-away PostgreSQL server with `fsync` on) and
+//! writes the report ([`report`]) and the plot ([`plot`]).
+
+pub mod append;
+pub mod latency;
+pub mod plot;
+pub mod recovery;
+pub mod report;
+pub mod stats;
+pub mod workload;
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::error::Error;
+use crate::pgtemp::{PgServer, PgTempOptions};
+use crate::store::BackendKind;
+use report::{BackendReport, LatencyRow, LatencyTarget, Machine, PhaseMemory, Report};
+
+/// The bench could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// A store call failed.
+    #[error("{0}")]
+    Store(#[from] Error),
+    /// Setting up a database or a child process failed.
+    #[error("{0}")]
+    Setup(String),
+    /// A phase's child process failed.
+    #[error("the {phase} phase on {backend} failed: {detail}")]
+    Phase {
+        /// Which phase.
+        phase: String,
+        /// Which backend.
+        backend: String,
+        /// What went wrong.
+        detail: String,
+    },
+}
+
+/// What `session-store bench` was asked to do.
+#[derive(Clone, Debug)]
+pub struct BenchConfig {
+    /// The backends to measure, in order.
+    pub backends: Vec<BackendKind>,
+    /// Fewer sizes, shorter runs: a smoke test of under a minute.
+    pub quick: bool,
+    /// Where the JSON report goes.
+    pub out: PathBuf,
+    /// Where the SVG plot goes.
+    pub svg: PathBuf,
+    /// An existing PostgreSQL server's admin URL (the bench creates and
+    /// drops its own databases there) instead of a throw-away server.
+    pub postgres_url: Option<String>,
+    /// Where the SQLite files go (the system temp dir by default).
+    pub dir: Option<PathBuf>,
+    /// The command line, for the report.
+    pub command: String,
+}
+
+/// One phase a child process runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// Open the store and exit: the baseline RSS of a process.
+    Idle,
+    /// Append throughput and its ceiling.
+    Append,
+    /// Build the long sessions.
+    Build,
+    /// Pre-request reads.
+    Read,
+    /// The naive fold.
+    Fold,
+    /// Open + recover the largest session.
+    Recover,
+    /// Rebuild every view.
+    Rebuild,
+}
+
+impl Phase {
+    fn name(self) -> &'static str {
+        match self {
+            Phase::Idle => "idle",
+            Phase::Append => "append",
+            Phase::Build => "build",
+            Phase::Read => "read",
+            Phase::Fold => "fold",
+            Phase::Recover => "recover",
+            Phase::Rebuild => "rebuild",
+        }
+    }
+}
+
+/// What a child is asked to run (its one argument, as JSON).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PhaseSpec {
+    /// The phase.
+    pub phase: Phase,
+    /// The store's URL.
+    pub url: String,
+    /// `--quick`.
+    pub quick: bool,
+    /// The built sessions (for read, fold, recover).
+    #[serde(default)]
+    pub built: Vec<latency::Built>,
+}
+
+/// What a child prints: its result and its memory.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PhaseOutput {
+    /// The phase's result, as JSON.
+    pub result: serde_json::Value,
+    /// `VmHWM` at the end, KiB (Linux only).
+    pub peak_rss_kib: Option<u64>,
+    /// `VmRSS` at the end, KiB (Linux only).
+    pub rss_kib: Option<u64>,
+    /// Seconds the phase took.
+    pub seconds: f64,
+}
+
+/// A field of `/proc/self/status` in KiB ("VmHWM", "VmRSS").
+pub fn proc_status_kib(field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// Runs one phase in this process (the child side) and returns the line to
+/// print.
+pub async fn run_phase(spec: &str) -> Result<String, BenchError> {
+    let spec: PhaseSpec = serde_json::from_str(spec)
+        .map_err(|e| BenchError::Setup(format!("the phase description is not valid: {e}")))?;
+    let started = Instant::now();
+    let json = |v: Result<serde_json::Value, serde_json::Error>| {
+        v.map_err(|e| BenchError::Setup(format!("cannot encode the phase's result: {e}")))
+    };
+    let largest = || {
+        spec.built
+            .iter()
+            .max_by_key(|b| b.events)
+            .ok_or_else(|| BenchError::Setup("no session was built to recover".to_owned()))
+    };
+    let result = match spec.phase {
+        Phase::Idle => {
+            crate::store::Store::open(&spec.url).await?.close().await;
+            serde_json::Value::Null
+        }
+        Phase::Append => json(serde_json::to_value(
+            append::run(&spec.url, spec.quick).await?,
+        ))?,
+        Phase::Build => json(serde_json::to_value(
+            latency::build(&spec.url, spec.quick).await?,
+        ))?,
+        Phase::Read => json(serde_json::to_value(
+            latency::read(&spec.url, spec.quick, &spec.built).await?,
+        ))?,
+        Phase::Fold => json(serde_json::to_value(
+            latency::fold(&spec.url, spec.quick, &spec.built).await?,
+        ))?,
+        Phase::Recover => json(serde_json::to_value(
+            recovery::recover(&spec.url, largest()?.session_id, 5).await?,
+        ))?,
+        Phase::Rebuild => json(serde_json::to_value(recovery::rebuild(&spec.url).await?))?,
+    };
+    let out = PhaseOutput {
+        result,
+        peak_rss_kib: proc_status_kib("VmHWM"),
+        rss_kib: proc_status_kib("VmRSS"),
+        seconds: started.elapsed().as_secs_f64(),
+    };
+    json(serde_json::to_value(&out)).map(|v| v.to_string())
+}
+
+/// The databases of one backend: one for the append phase (it fills with
+/// many small sessions), one for the long sessions.
+struct Databases {
+    append_url: String,
+    sessions_url: String,
+}
+
+/// Where the bench's databases live, removed when dropped.
+struct Scratch {
+    sqlite_dir: Option<PathBuf>,
+    pg_server: Option<PgServer>,
+    /// Databases created on an existing server, dropped at the end.
+    pg_created: Vec<(String, String)>,
+}
+
+impl Scratch {
+    fn new() -> Scratch {
+        Scratch {
+            sqlite_dir: None,
+            pg_server: None,
+            pg_created: Vec::new(),
+        }
+    }
+
+    fn sqlite(&mut self, parent: Option<&Path>) -> Result<Databases, BenchError> {
+        let dir = parent
+            .map(Path::to_path_buf)
+            .unwrap_or_else(std::env::temp_dir)
+            .join(format!("session-store-bench-{}", Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).map_err(|e| {
+            BenchError::Setup(format!(
+                "cannot create the directory {}: {e}",
+                dir.display()
+            ))
+        })?;
+        let dbs = Databases {
+            append_url: format!("sqlite://{}", dir.join("append.db").display()),
+            sessions_url: format!("sqlite://{}", dir.join("sessions.db").display()),
+        };
+        self.sqlite_dir = Some(dir);
+        Ok(dbs)
+    }
+
+    async fn postgres(&mut self, admin: Option<&str>) -> Result<Databases, BenchError> {
+        let admin = match admin {
+            Some(url) => url.to_owned(),
+            None => {
+                let bin = crate::pgtemp::find_pg_bin().ok_or_else(|| {
+                    BenchError::Setup(
+                        "no PostgreSQL server binaries (initdb, postgres) were found on PATH, in $PG_BIN or in /usr/lib/postgresql/*/bin; \
+                         install PostgreSQL, pass --postgres-url for an existing server, or run --backend sqlite"
+                            .to_owned(),
+                    )
+                })?;
+                eprintln!(
+                    "starting a throw-away PostgreSQL server (fsync on) from {}",
+                    bin.display()
+                );
+                let server = tokio::task::spawn_blocking(move || {
+                    PgServer::start(&bin, PgTempOptions::default())
+                })
+                .await
+                .map_err(|e| BenchError::Setup(format!("starting PostgreSQL failed: {e}")))?
+                .map_err(|e| BenchError::Setup(e.to_string()))?;
+                let url = server.url();
+                self.pg_server = Some(server);
+                url
+            }
+        };
+        let (base, _) = admin.rsplit_once('/').ok_or_else(|| {
+            BenchError::Setup(format!(
+                "{admin:?} does not name a database after its last /"
+            ))
+        })?;
+        let tag = Uuid::new_v4().simple().to_string();
+        let mut urls = Vec::new();
+        for what in ["append", "sessions"] {
+            let name = format!("bench_{what}_{}", &tag[..12]);
+            admin_sql(&admin, &format!("CREATE DATABASE {name}")).await?;
+            self.pg_created.push((admin.clone(), name.clone()));
+            urls.push(format!("{base}/{name}"));
+        }
+        Ok(Databases {
+            append_url: urls[0].clone(),
+            sessions_url: urls[1].clone(),
+        })
+    }
+
+    async fn clean(mut self) {
+        if let Some(server) = self.pg_server.take() {
+            let _ = tokio::task::spawn_blocking(move || server.shutdown()).await;
+        } else {
+            for (admin, name) in std::mem::take(&mut self.pg_created) {
+                let _ = admin_sql(&admin, &format!("DROP DATABASE IF EXISTS {name}")).await;
+            }
+        }
+        if let Some(dir) = self.sqlite_dir.take() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+async fn admin_sql(admin: &str, sql: &str) -> Result<(), BenchError> {
+    use sqlx::Connection;
+    let mut c = sqlx::PgConnection::connect(admin)
+        .await
+        .map_err(|e| BenchError::Setup(format!("cannot connect to PostgreSQL at {admin}: {e}")))?;
+    sqlx::raw_sql(sql)
+        .execute(&mut c)
+        .await
+        .map_err(|e| BenchError::Setup(format!("{sql} failed: {e}")))?;
+    let _ = c.close().await;
+    Ok(())
+}
+
+fn backend_name(kind: BackendKind) -> &'static str {
+    match kind {
+        BackendKind::Sqlite => "SQLite",
+        BackendKind::Postgres => "PostgreSQL",
+    }
+}
+
+/// Runs one phase in a child process of this binary.
+async fn child(kind: BackendKind, spec: PhaseSpec) -> Result<PhaseOutput, BenchError> {
+    let failed = |detail: String| BenchError::Phase {
+        phase: spec.phase.name().to_owned(),
+        backend: backend_name(kind).to_owned(),
+        detail,
+    };
+    let exe = std::env::current_exe()
+        .map_err(|e| failed(format!("cannot find this program's own binary: {e}")))?;
+    let arg = serde_json::to_string(&spec)
+        .map_err(|e| failed(format!("cannot encode the phase: {e}")))?;
+    let output = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(exe)
+            .arg("bench-phase")
+            .arg(arg)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .output()
+    })
+    .await
+    .map_err(|e| failed(e.to_string()))?
+    .map_err(|e| failed(format!("cannot start the child process: {e}")))?;
+    if !output.status.success() {
+        return Err(failed(format!(
+            "the child process exited with {}",
+            output.status
+        )));
+    }
+    let text = String::from_utf8_lossy(&output.stdout);
+    let line = text
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("");
+    serde_json::from_str(line)
+        .map_err(|e| failed(format!("its report is unreadable ({e}): {line:?}")))
+}
+
+fn decode<T: serde::de::DeserializeOwned>(
+    kind: BackendKind,
+    phase: Phase,
+    out: &PhaseOutput,
+) -> Result<T, BenchError> {
+    serde_json::from_value(out.result.clone()).map_err(|e| BenchError::Phase {
+        phase: phase.name().to_owned(),
+        backend: backend_name(kind).to_owned(),
+        detail: format!("its result is unreadable: {e}"),
+    })
+}
+
+/// Measures one backend, each phase in a child process.
+async fn measure(
+    kind: BackendKind,
+    dbs: &Databases,
+    quick: bool,
+) -> Result<BackendReport, BenchError> {
+    let name = backend_name(kind);
+    let mut memory = Vec::new();
+    let run = |phase: Phase, url: &str, built: Vec<latency::Built>| {
+        let spec = PhaseSpec {
+            phase,
+            url: url.to_owned(),
+            quick,
+            built,
+        };
+        eprintln!("{name}: {} phase", phase.name());
+        async move {
+            let out = child(kind, spec).await?;
+            Ok::<_, BenchError>((phase, out))
+        }
+    };
+    let mut record = |phase: Phase, out: &PhaseOutput| {
+        memory.push(PhaseMemory {
+            phase: phase.name().to_owned(),
+            peak_rss_mib: out.peak_rss_kib.map(|k| k as f64 / 1024.0),
+            end_rss_mib: out.rss_kib.map(|k| k as f64 / 1024.0),
+            seconds: out.seconds,
+        });
+    };
+    let (p, out) = run(Phase::Idle, &dbs.append_url, vec![]).await?;
+    record(p, &out);
+    let (p, out) = run(Phase::Append, &dbs.append_url, vec![]).await?;
+    record(p, &out);
+    let append: append::AppendResult = decode(kind, p, &out)?;
+    let (p, out) = run(Phase::Build, &dbs.sessions_url, vec![]).await?;
+    record(p, &out);
+    let built: Vec<latency::Built> = decode(kind, p, &out)?;
+    let (p, out) = run(Phase::Read, &dbs.sessions_url, built.clone()).await?;
+    record(p, &out);
+    let reads: Vec<latency::Read> = decode(kind, p, &out)?;
+    let (p, out) = run(Phase::Fold, &dbs.sessions_url, built.clone()).await?;
+    record(p, &out);
+    let folds: Vec<latency::Fold> = decode(kind, p, &out)?;
+    let (p, out) = run(Phase::Recover, &dbs.sessions_url, built.clone()).await?;
+    record(p, &out);
+    let recover: recovery::Recover = decode(kind, p, &out)?;
+    let (p, out) = run(Phase::Rebuild, &dbs.sessions_url, vec![]).await?;
+    record(p, &out);
+    let rebuild: recovery::Rebuild = decode(kind, p, &out)?;
+
+    let smallest = reads.first().map(|r| r.pre_request.p50_ms).unwrap_or(0.0);
+    let latency: Vec<LatencyRow> = reads
+        .iter()
+        .map(|r| {
+            let fold = folds
+                .iter()
+                .find(|f| f.size == r.size)
+                .map(|f| f.fold)
+                .unwrap_or_default();
+            LatencyRow {
+                size: r.size,
+                events: r.events,
+                window_events: r.window_events,
+                context_bytes: r.context_bytes,
+                pre_request: r.pre_request,
+                activations_only: r.activations_only,
+                naive_fold: fold,
+                fold_over_read: fold.p50_ms / r.pre_request.p50_ms.max(f64::MIN_POSITIVE),
+                read_vs_smallest: r.pre_request.p50_ms / smallest.max(f64::MIN_POSITIVE),
+            }
+        })
+        .collect();
+    let target_ms = latency::p99_target_ms(kind);
+    let largest = latency.last();
+    let latency_target = LatencyTarget {
+        p99_ms: target_ms,
+        at_events: 1_000_000,
+        largest_events: largest.map(|l| l.events).unwrap_or(0),
+        p99_ms_at_largest: largest.map(|l| l.pre_request.p99_ms).unwrap_or(0.0),
+        met: largest
+            .filter(|l| l.size >= 1_000_000)
+            .map(|l| l.pre_request.p99_ms < target_ms),
+    };
+    Ok(BackendReport {
+        backend: match kind {
+            BackendKind::Sqlite => "sqlite",
+            BackendKind::Postgres => "postgres",
+        }
+        .to_owned(),
+        name: name.to_owned(),
+        durability: match kind {
+            BackendKind::Sqlite => "WAL, synchronous=FULL (store and ceiling)",
+            BackendKind::Postgres => "fsync=on, synchronous_commit=on (server defaults)",
+        }
+        .to_owned(),
+        append,
+        build: built,
+        latency,
+        latency_target,
+        recover,
+        rebuild,
+        memory,
+    })
+}
+
+/// Runs the bench (the parent side): every phase of every backend, then the
+/// table on `out`, the JSON report and the SVG plot.
+pub async fn run(config: &BenchConfig, out: &mut dyn std::io::Write) -> Result<Report, BenchError> {
+    let started = Instant::now();
+    let started_at = chrono::Utc::now();
+    let mut scratch = Scratch::new();
+    let mut backends = Vec::new();
+    let result = async {
+        for kind in &config.backends {
+            let dbs = match kind {
+                BackendKind::Sqlite => scratch.sqlite(config.dir.as_deref())?,
+                BackendKind::Postgres => scratch.postgres(config.postgres_url.as_deref()).await?,
+            };
+            backends.push(measure(*kind, &dbs, config.quick).await?);
+        }
+        Ok::<(), BenchError>(())
+    }
+    .await;
+    scratch.clean().await;
+    result?;
+    let report = Report {
+        version: 1,
+        command: config.command.clone(),
+        quick: config.quick,
+        started_at,
+        seconds: started.elapsed().as_secs_f64(),
+        machine: Machine::this(),
+        mix: workload::MixSummary::sample(Arc::new(workload::TextPool::new()), 20_000),
+        backends,
+    };
+    let write_failed = |what: &Path, e: std::io::Error| {
+        BenchError::Setup(format!("cannot write {}: {e}", what.display()))
+    };
+    report::write_tables(&report, out).map_err(|e| write_failed(Path::new("the table"), e))?;
+    for path in [&config.out, &config.svg] {
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).map_err(|e| write_failed(parent, e))?;
+        }
+    }
+    let json = serde_json::to_string_pretty(&report)
+        .map_err(|e| BenchError::Setup(format!("cannot encode the report: {e}")))?;
+    std::fs::write(&config.out, json + "\n").map_err(|e| write_failed(&config.out, e))?;
+    plot::latency_svg(&report, &config.svg).map_err(BenchError::Setup)?;
+    writeln!(
+        out,
+        "\nreport: {}; plot: {}; {:.0} s in all",
+        config.out.display(),
+        config.svg.display(),
+        report.seconds
+    )
+    .map_err(|e| write_failed(Path::new("the table"), e))?;
+    Ok(report)
+}

@@ -1,0 +1,103 @@
+//! Phase 3, recovery: how soon a restarted sidecar can serve a session, and
+//! how fast the views can be recomputed from the log.
+//!
+//! - **recover**: `Store::open` (connect, migrations check) and
+//!   `Store::recover` of the largest session, the first time in a fresh
+//!   process (nothing of the store cached; the operating system's page cache
+//!   and PostgreSQL's buffers are warm from the build, which a real restart
+//!   may not have), then again with a new `Store` each time.
+//! - **rebuild**: `Store::rebuild` of every session of the database (the
+//!   built sessions), events of the log per second.
+
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use super::stats::Latency;
+use super::BenchError;
+use crate::store::Store;
+
+/// Recovery of one session.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Recover {
+    /// The session's events.
+    pub events: i64,
+    /// Open + recover, the first time in the process, ms.
+    pub first_open_and_recover_ms: f64,
+    /// Of which `recover` alone, ms.
+    pub first_recover_ms: f64,
+    /// Open + recover over all repeats (the first included).
+    pub open_and_recover: Latency,
+}
+
+/// Opens the store and recovers `session`, `repeats` times.
+pub async fn recover(url: &str, session: Uuid, repeats: usize) -> Result<Recover, BenchError> {
+    let mut samples: Vec<Duration> = Vec::new();
+    let mut first_recover = Duration::ZERO;
+    let mut events = 0;
+    for i in 0..repeats.max(1) {
+        let t = Instant::now();
+        let store = Store::open(url).await?;
+        let opened = t.elapsed();
+        let r = store.recover(session).await?;
+        let total = t.elapsed();
+        if i == 0 {
+            first_recover = total - opened;
+        }
+        events = r.latest_seq;
+        samples.push(total);
+        store.close().await;
+    }
+    let out = Recover {
+        events,
+        first_open_and_recover_ms: samples[0].as_secs_f64() * 1e3,
+        first_recover_ms: first_recover.as_secs_f64() * 1e3,
+        open_and_recover: Latency::of(&samples),
+    };
+    eprintln!(
+        "  open + recover at {events} events: first {:.2} ms (recover {:.2} ms), median {:.2} ms",
+        out.first_open_and_recover_ms, out.first_recover_ms, out.open_and_recover.p50_ms
+    );
+    Ok(out)
+}
+
+/// Rebuild of every view.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Rebuild {
+    /// Sessions rebuilt.
+    pub sessions: usize,
+    /// Their events.
+    pub events: i64,
+    /// Seconds.
+    pub seconds: f64,
+    /// Events of the log per second.
+    pub events_per_s: f64,
+}
+
+/// Rebuilds every session's view and calls index.
+pub async fn rebuild(url: &str) -> Result<Rebuild, BenchError> {
+    let store = Store::open(url).await?;
+    let sessions = store.sessions().await?;
+    let mut events = 0;
+    for s in &sessions {
+        events += store.head_seq(*s).await?;
+    }
+    let t = Instant::now();
+    for s in &sessions {
+        store.rebuild(*s).await?;
+    }
+    let seconds = t.elapsed().as_secs_f64();
+    store.close().await;
+    let out = Rebuild {
+        sessions: sessions.len(),
+        events,
+        seconds,
+        events_per_s: events as f64 / seconds,
+    };
+    eprintln!(
+        "  rebuilt {} sessions ({events} events) in {seconds:.1} s: {:.0} events/s",
+        out.sessions, out.events_per_s
+    );
+    Ok(out)
+}
