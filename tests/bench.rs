@@ -1,0 +1,160 @@
+//! `session-store bench --quick` as a smoke test: it runs, and its JSON
+//! report has every section with positive figures. No figure is compared
+//! with a target here: a shared CI machine says nothing about the targets,
+//! and docs/benchmarks.md is where they are judged.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_session-store");
+
+fn run_bench(backend: &str, dir: &Path, extra: &[&str]) -> Value {
+    let out = dir.join("report.json");
+    let output = Command::new(BIN)
+        .args(["bench", "--quick", "--backend", backend, "--out"])
+        .arg(&out)
+        .args(extra)
+        .env_remove("DATABASE_URL")
+        .output()
+        .expect("run session-store bench");
+    assert!(
+        output.status.success(),
+        "bench failed ({}): {}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let table = String::from_utf8_lossy(&output.stdout);
+    for heading in [
+        "Append throughput",
+        "Pre-request latency",
+        "Recovery",
+        "Memory",
+    ] {
+        assert!(
+            table.contains(heading),
+            "the table has no {heading:?} section"
+        );
+    }
+    let svg = std::fs::read_to_string(dir.join("bench-latency.svg")).expect("the SVG plot");
+    assert!(svg.starts_with("<svg"), "the plot is an SVG document");
+    serde_json::from_str(&std::fs::read_to_string(&out).expect("the report")).expect("JSON")
+}
+
+fn positive(v: &Value, path: &str) {
+    let mut at = v;
+    for key in path.split('.') {
+        at = match key.parse::<usize>() {
+            Ok(i) => &at[i],
+            Err(_) => &at[key],
+        };
+    }
+    let n = at
+        .as_f64()
+        .unwrap_or_else(|| panic!("{path} is not a number: {at}"));
+    assert!(n > 0.0, "{path} is {n}, not positive");
+}
+
+fn check_backend(report: &Value, name: &str) {
+    let backends = report["backends"].as_array().expect("backends");
+    let b = backends
+        .iter()
+        .find(|b| b["backend"] == name)
+        .unwrap_or_else(|| panic!("no {name} section"));
+    let cells = b["append"]["cells"].as_array().expect("append cells");
+    // 3 batch sizes x 1, 4, 16 writers x distinct and shared sessions.
+    assert_eq!(cells.len(), 18, "every cell of the append grid");
+    for (i, _) in cells.iter().enumerate() {
+        for field in [
+            "store.median",
+            "store.max",
+            "ceiling.median",
+            "ratio",
+            "target",
+        ] {
+            positive(b, &format!("append.cells.{i}.{field}"));
+        }
+    }
+    assert!(cells.iter().any(|c| c["sessions"] == "shared"));
+    let latency = b["latency"].as_array().expect("latency rows");
+    assert_eq!(latency.len(), 2, "--quick measures 10^3 and 10^4 events");
+    for (i, _) in latency.iter().enumerate() {
+        for field in [
+            "events",
+            "window_events",
+            "pre_request.p50_ms",
+            "pre_request.p99_ms",
+            "naive_fold.p50_ms",
+            "fold_over_read",
+        ] {
+            positive(b, &format!("latency.{i}.{field}"));
+        }
+    }
+    assert!(
+        b["latency_target"]["met"].is_null(),
+        "10^6 was not measured"
+    );
+    for field in [
+        "recover.events",
+        "recover.first_open_and_recover_ms",
+        "recover.open_and_recover.p50_ms",
+        "rebuild.events",
+        "rebuild.events_per_s",
+        "build.1.events_per_s",
+    ] {
+        positive(b, field);
+    }
+    let phases: Vec<&str> = b["memory"]
+        .as_array()
+        .expect("memory")
+        .iter()
+        .map(|m| m["phase"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(
+        phases,
+        ["idle", "append", "build", "read", "fold", "recover", "rebuild"]
+    );
+    if cfg!(target_os = "linux") {
+        for i in 0..phases.len() {
+            positive(b, &format!("memory.{i}.peak_rss_mib"));
+        }
+    }
+}
+
+#[test]
+fn quick_bench_on_sqlite_writes_every_section() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = run_bench(
+        "sqlite",
+        dir.path(),
+        &["--dir", &dir.path().display().to_string()],
+    );
+    assert_eq!(report["quick"], true);
+    positive(&report, "machine.cpus");
+    positive(&report, "mix.average_event_bytes");
+    check_backend(&report, "sqlite");
+}
+
+#[test]
+fn quick_bench_on_postgres_writes_every_section() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut extra = Vec::new();
+    if let Ok(url) = std::env::var("TEST_DATABASE_URL") {
+        extra.push("--postgres-url".to_owned());
+        extra.push(url);
+    } else if common::find_pg_bin().is_none() {
+        assert_ne!(
+            std::env::var("CI").as_deref(),
+            Ok("true"),
+            "CI=true but no PostgreSQL server binaries were found"
+        );
+        eprintln!("SKIPPED: PostgreSQL binaries not found; the PostgreSQL bench did not run");
+        return;
+    }
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let report = run_bench("postgres", dir.path(), &extra);
+    check_backend(&report, "postgres");
+}
