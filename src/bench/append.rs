@@ -7,10 +7,9 @@
 //! machine hits both alike).
 //!
 //! - **Store**: `Store::append` of the realistic mix (`workload`), each
-//!   writer at its own session's head, or, on one shared session, at the
-//!   head it last saw: on a conflict it retries at once from the seq the
-//!   conflict names (the loop of `Store::append_at_head` without its
-//!   backoff, so that conflicts cost only what the store makes them cost).
+//!   writer at its own session's head (the seq its last append returned), or,
+//!   on one shared session, `Store::append_at_head` (what a writer that
+//!   appends "at the end, whatever it is" calls).
 //! - **Ceiling**: the same events, serialized to the same JSON, inserted into
 //!   a bare table with the columns and unique keys of `events` and nothing
 //!   else: one multi-row `INSERT` per batch, on its own (a statement is a
@@ -21,7 +20,7 @@
 //!   no store-wide lock: what the engine and driver allow, which no store on
 //!   top of them can beat.
 
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -34,7 +33,7 @@ use super::workload::{Mix, TextPool};
 use super::BenchError;
 use crate::error::Error;
 use crate::event::NewEvent;
-use crate::store::{BackendKind, Store};
+use crate::store::{BackendKind, RetryPolicy, Store};
 
 /// Target ratio store/ceiling for batches (issue 7).
 pub const BATCH_TARGET: f64 = 0.7;
@@ -85,8 +84,9 @@ pub struct AppendCell {
     pub target: f64,
     /// `ratio >= target`.
     pub meets_target: bool,
-    /// Conflicts per successful store append (shared session only).
-    pub conflicts_per_append: f64,
+    /// Appends made over all repeats, store and ceiling: how many commits
+    /// the figures rest on.
+    pub appends: u64,
 }
 
 /// The phase's result.
@@ -111,7 +111,7 @@ pub async fn run(url: &str, quick: bool) -> Result<AppendResult, BenchError> {
             for &batch in &plan.batches {
                 let mut store_rates = Vec::new();
                 let mut ceiling_rates = Vec::new();
-                let (mut conflicts, mut appends) = (0u64, 0u64);
+                let mut appends = 0u64;
                 for rep in 0..plan.repeats {
                     let cell = Cell {
                         batch,
@@ -123,11 +123,12 @@ pub async fn run(url: &str, quick: bool) -> Result<AppendResult, BenchError> {
                     for side in 0..2 {
                         if (rep + side) % 2 == 0 {
                             let m = cell.store(&store, &pool).await?;
-                            conflicts += m.conflicts;
                             appends += m.appends;
                             store_rates.push(m.rate);
                         } else {
-                            ceiling_rates.push(cell.ceiling(&raw, &pool).await?.rate);
+                            let m = cell.ceiling(&raw, &pool).await?;
+                            appends += m.appends;
+                            ceiling_rates.push(m.rate);
                         }
                     }
                 }
@@ -161,7 +162,7 @@ pub async fn run(url: &str, quick: bool) -> Result<AppendResult, BenchError> {
                     ratio,
                     target,
                     meets_target: ratio >= target,
-                    conflicts_per_append: conflicts as f64 / appends.max(1) as f64,
+                    appends,
                 });
             }
         }
@@ -182,8 +183,9 @@ struct Cell {
 
 /// What one repeat measured.
 struct Measured {
+    /// Events per second.
     rate: f64,
-    conflicts: u64,
+    /// Appends made.
     appends: u64,
 }
 
@@ -199,52 +201,33 @@ impl Cell {
 
     async fn store(&self, store: &Arc<Store>, pool: &Arc<TextPool>) -> Result<Measured, Error> {
         let sessions = self.sessions();
-        let mut heads = Vec::new();
         for (w, s) in sessions.iter().enumerate() {
             if w == 0 || !self.shared {
                 let header = Mix::header().into_iter().map(NewEvent::new).collect();
                 store.append(*s, 0, header).await?;
             }
-            heads.push(Mix::header().len() as i64);
         }
-        // The latest seq any writer saw on the shared session: what the
-        // store's own state cache would guess for `append_at_head`.
-        let latest = Arc::new(AtomicI64::new(Mix::header().len() as i64));
-        let conflicts = Arc::new(AtomicU64::new(0));
         let start = Instant::now();
         let deadline = start + self.duration;
         let mut tasks = Vec::new();
-        for (w, (session, head)) in sessions.into_iter().zip(heads).enumerate() {
+        for (w, session) in sessions.into_iter().enumerate() {
             let store = store.clone();
-            let latest = latest.clone();
-            let conflicts = conflicts.clone();
             let mut mix = Mix::new(pool.clone(), w, self.seed);
             let batch = self.batch;
             let shared = self.shared;
             tasks.push(tokio::spawn(async move {
-                let mut head = head;
+                let mut head = Mix::header().len() as i64;
                 let (mut events, mut appends) = (0u64, 0u64);
+                let policy = RetryPolicy::default();
                 while Instant::now() < deadline {
                     let events_of_batch = mix.next_batch(batch);
                     if shared {
-                        head = head.max(latest.load(Ordering::Relaxed));
-                    }
-                    loop {
-                        match store.append(session, head, events_of_batch.clone()).await {
-                            Ok(outcome) => {
-                                head = outcome.events.last().map(|a| a.seq).unwrap_or(head);
-                                latest.fetch_max(head, Ordering::Relaxed);
-                                break;
-                            }
-                            Err(Error::Conflict { current, .. }) if shared => {
-                                conflicts.fetch_add(1, Ordering::Relaxed);
-                                head = current;
-                            }
-                            Err(e) if e.is_retryable() => {
-                                tokio::time::sleep(Duration::from_millis(1)).await;
-                            }
-                            Err(e) => return Err(e),
-                        }
+                        store
+                            .append_at_head(session, events_of_batch, &policy)
+                            .await?;
+                    } else {
+                        let outcome = store.append(session, head, events_of_batch).await?;
+                        head = outcome.events.last().map(|a| a.seq).unwrap_or(head);
                     }
                     events += batch as u64;
                     appends += 1;
@@ -256,7 +239,6 @@ impl Cell {
         let elapsed = start.elapsed().as_secs_f64();
         Ok(Measured {
             rate: events as f64 / elapsed,
-            conflicts: conflicts.load(Ordering::Relaxed),
             appends,
         })
     }
@@ -295,7 +277,6 @@ impl Cell {
         let elapsed = start.elapsed().as_secs_f64();
         Ok(Measured {
             rate: events as f64 / elapsed,
-            conflicts: 0,
             appends,
         })
     }

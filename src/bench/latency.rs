@@ -13,7 +13,8 @@
 //! - **read**: per size, `Store::activations` then `Store::context`, both
 //!   "as of the latest event", each sample after `Store::clear_cache` (a
 //!   freshly started sidecar's cold path: the view, the window, the events
-//!   after the view); p50/p99 over the samples.
+//!   after the view); p50/p99 over the samples. Then the next turn: 21
+//!   prompts appended one at a time (each rewrites the view), timed.
 //! - **fold**: per size, every event from seq 1 by `Store::history` pages,
 //!   folded with `SessionState::apply`, then the same two answers.
 
@@ -138,7 +139,12 @@ pub struct Read {
     pub pre_request: Latency,
     /// Activations alone, cold cache.
     pub activations_only: Latency,
+    /// Appending one prompt after the reads, cache warm.
+    pub next_append: Latency,
 }
+
+/// Prompts appended (and timed) after the reads of each session.
+const APPEND_SAMPLES: usize = 21;
 
 /// Samples per size.
 fn read_samples(quick: bool) -> usize {
@@ -181,6 +187,21 @@ pub async fn read(url: &str, quick: bool, built: &[Built]) -> Result<Vec<Read>, 
             std::hint::black_box(store.activations(s, None).await?);
             alone.push(t.elapsed());
         }
+        // The turn after the request: appending a prompt (a refresh point,
+        // so the view is rewritten), the process's cache warm after the
+        // first one, as a sidecar's is.
+        let mut appends = Vec::new();
+        for (i, head) in (recovery.latest_seq..).take(APPEND_SAMPLES + 1).enumerate() {
+            let prompt = NewEvent::new(EventBody::PromptSubmitted {
+                text: format!("a follow-up {i}"),
+            })
+            .with_id(Uuid::now_v7());
+            let t = Instant::now();
+            store.append(s, head, vec![prompt]).await?;
+            if i > 0 {
+                appends.push(t.elapsed());
+            }
+        }
         let r = Read {
             size: b.size,
             events: recovery.latest_seq,
@@ -188,6 +209,7 @@ pub async fn read(url: &str, quick: bool, built: &[Built]) -> Result<Vec<Read>, 
             context_bytes,
             pre_request: Latency::of(&both),
             activations_only: Latency::of(&alone),
+            next_append: Latency::of(&appends),
         };
         eprintln!(
             "  pre-request read at {} events: p50 {:.3} ms, p99 {:.3} ms",

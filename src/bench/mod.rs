@@ -438,6 +438,7 @@ async fn measure(
                 context_bytes: r.context_bytes,
                 pre_request: r.pre_request,
                 activations_only: r.activations_only,
+                next_append: r.next_append,
                 naive_fold: fold,
                 fold_over_read: fold.p50_ms / r.pre_request.p50_ms.max(f64::MIN_POSITIVE),
                 read_vs_smallest: r.pre_request.p50_ms / smallest.max(f64::MIN_POSITIVE),

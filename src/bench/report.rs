@@ -112,6 +112,8 @@ pub struct LatencyRow {
     pub pre_request: Latency,
     /// Activations alone, cold cache.
     pub activations_only: Latency,
+    /// One prompt appended after the reads, cache warm.
+    pub next_append: Latency,
     /// The whole-log fold.
     pub naive_fold: Latency,
     /// Fold p50 / read p50.
@@ -213,17 +215,11 @@ pub fn write_tables(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
     writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|---|")?;
     for b in &r.backends {
         for c in &b.append.cells {
-            let conflicts = if c.sessions == "shared" && c.writers > 1 {
-                format!(" ({:.2} conflicts/append)", c.conflicts_per_append)
-            } else {
-                String::new()
-            };
             writeln!(
                 out,
-                "| {} | {}{} | {} | {} | {} | {} | {:.2} | {:.1} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {:.2} | {:.1} | {} |",
                 b.name,
                 c.sessions,
-                conflicts,
                 c.writers,
                 c.batch,
                 spread(&c.store),
@@ -241,9 +237,9 @@ pub fn write_tables(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
     )?;
     writeln!(
         out,
-        "| backend | events | window | read p50 | read p99 | vs smallest | naive fold p50 (runs) | fold / read | p99 target |"
+        "| backend | events | window | read p50 | read p99 | vs smallest | naive fold p50 (runs) | fold / read | p99 target | next append p50 / p99 |"
     )?;
-    writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---|")?;
+    writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|")?;
     for b in &r.backends {
         for l in &b.latency {
             let target = if l.size >= b.latency_target.at_events as u64 {
@@ -257,7 +253,7 @@ pub fn write_tables(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
             };
             writeln!(
                 out,
-                "| {} | {} | {} | {} | {} | {:.2}x | {} ({}) | {:.0}x | {} |",
+                "| {} | {} | {} | {} | {} | {:.2}x | {} ({}) | {:.0}x | {} | {} / {} |",
                 b.name,
                 l.events,
                 l.window_events,
@@ -267,7 +263,9 @@ pub fn write_tables(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
                 ms(l.naive_fold.p50_ms),
                 l.naive_fold.n,
                 l.fold_over_read,
-                target
+                target,
+                ms(l.next_append.p50_ms),
+                ms(l.next_append.p99_ms)
             )?;
         }
     }

@@ -17,18 +17,18 @@ use crate::integrity::{event_hash, ChainChecker, IntegrityBreak};
 /// Rows read per page while chaining or checking.
 const PAGE: i64 = 2_000;
 
-/// The hash of the session's event at `head` (`""` for a new session),
-/// chaining the session first if it predates the chain.
-pub(crate) async fn head_hash<T: LogTx>(tx: &mut T, session_id: Uuid, head: i64) -> Result<String> {
+/// The hash to chain to after the session's event at `head` (`""` for a
+/// new session), given the hash stored with that event (read with the head,
+/// [`LogTx::head`]), chaining the session first if it predates the chain.
+pub(crate) async fn head_hash<T: LogTx>(
+    tx: &mut T,
+    session_id: Uuid,
+    head: i64,
+    stored: Option<String>,
+) -> Result<String> {
     if head == 0 {
         return Ok(String::new());
     }
-    let stored = tx
-        .chained_page(session_id, head - 1, 1)
-        .await?
-        .into_iter()
-        .next()
-        .and_then(|(_, h)| h);
     match stored {
         Some(h) => Ok(h),
         None if tx.is_backfill_pending(session_id).await? => chain_session(tx, session_id).await,

@@ -15,7 +15,11 @@
 //!
 //! The session state used for validation is cached per session and caught up
 //! by folding only the events appended since (by this or another process), so
-//! appending to a long session does not re-read its history.
+//! appending to a long session does not re-read its history. An append moves
+//! the state out of the cache under the write lock and back after the commit
+//! (no clone), and the cache keeps only the calls of the effective window
+//! (the calls index has the rest), so neither the time of an append nor the
+//! memory of the cache grows with the session's history.
 
 mod chain;
 pub(crate) mod postgres;
@@ -155,6 +159,13 @@ pub(crate) struct PendingRow {
 pub(crate) trait LogTx: Send {
     /// The session's current seq (0 when it has no events).
     fn head_seq(&mut self, session_id: Uuid) -> impl Future<Output = Result<i64>> + Send;
+    /// The session's current seq and that event's chain hash, in one
+    /// statement (the append path's; a backend may also note what it needs
+    /// to reserve positions without another statement).
+    fn head(
+        &mut self,
+        session_id: Uuid,
+    ) -> impl Future<Output = Result<(i64, Option<String>)>> + Send;
     /// The stored events with any of these ids.
     fn stored_by_ids(
         &mut self,
@@ -184,12 +195,13 @@ pub(crate) trait LogTx: Send {
         session_id: Uuid,
         call_ids: &[String],
     ) -> impl Future<Output = Result<Vec<CallRow>>> + Send;
-    /// Writes new calls and the seqs of new results into the calls index.
+    /// Writes calls into the calls index in one statement: a new call is
+    /// inserted, a known one gets its result seq (an upsert). Each call id
+    /// appears at most once in `rows`.
     fn record_calls(
         &mut self,
         session_id: Uuid,
-        new_calls: &[CallRow],
-        results: &[(String, i64)],
+        rows: &[CallRow],
     ) -> impl Future<Output = Result<()>> + Send;
     /// The seq of the session's latest refresh point (0 without one).
     fn last_refresh_seq(&mut self, session_id: Uuid) -> impl Future<Output = Result<i64>> + Send;
@@ -468,49 +480,73 @@ impl Store {
         expected_seq: i64,
         events: Vec<NewEvent>,
     ) -> Result<AppendOutcome> {
+        self.append_inner(tenant, session_id, Some(expected_seq), events)
+            .await
+    }
+
+    /// The append of [`Store::append_as`]; `expected_seq: None` appends at
+    /// whatever the head is when the write lock is held (no conflict is
+    /// possible then).
+    ///
+    /// The cached state is taken out of the cache only once the write lock
+    /// is held, and put back (advanced by the batch) after the commit: no
+    /// other append of this process can hold it meanwhile, so it is moved,
+    /// never cloned (a clone costs the whole window, and used to cost every
+    /// call of the session).
+    async fn append_inner(
+        &self,
+        tenant: Option<&str>,
+        session_id: Uuid,
+        expected_seq: Option<i64>,
+        events: Vec<NewEvent>,
+    ) -> Result<AppendOutcome> {
         check_batch_ids(&events)?;
-        let cached = self.cached_state(session_id);
-        let (outcome, state) = match &self.backend {
+        let mut cached;
+        let outcome = match &self.backend {
             Backend::Sqlite(b) => {
                 let tx = b.begin_write().await?;
+                cached = self.take_cached(session_id);
                 append_in(
                     tx,
-                    cached,
+                    &mut cached,
                     tenant,
                     session_id,
                     expected_seq,
                     &events,
                     &self.options,
                 )
-                .await?
+                .await
             }
             Backend::Postgres(b) => {
                 let tx = b.begin_write().await?;
+                cached = self.take_cached(session_id);
                 append_in(
                     tx,
-                    cached,
+                    &mut cached,
                     tenant,
                     session_id,
                     expected_seq,
                     &events,
                     &self.options,
                 )
-                .await?
+                .await
             }
         };
-        if let Some(state) = state {
+        if let Some(state) = cached {
             self.cache_state(state);
         }
-        Ok(outcome)
+        outcome
     }
 
-    /// Appends `events` at the session's current head, whatever it is:
-    /// on a conflict it re-reads the head and tries again (each try
-    /// validates the batch against the session as it then stands), and on
-    /// unavailable storage it waits and tries again, with exponential
-    /// backoff and jitter, up to `policy.max_attempts`; then
-    /// [`Error::RetriesExhausted`]. Give the events ids: a retry after a lost
-    /// reply then answers idempotently instead of appending twice.
+    /// Appends `events` at the session's current head, whatever it is. The
+    /// head is read inside the append's own write transaction (SQLite's
+    /// write lock, PostgreSQL's position counter lock), so no other writer
+    /// can move it in between and the append never conflicts; the batch is
+    /// validated against the session as it then stands. On unavailable
+    /// storage it waits and tries again, with exponential backoff and
+    /// jitter, up to `policy.max_attempts`; then [`Error::RetriesExhausted`].
+    /// Give the events ids: a retry after a lost reply then answers
+    /// idempotently instead of appending twice.
     pub async fn append_at_head(
         &self,
         session_id: Uuid,
@@ -519,35 +555,14 @@ impl Store {
     ) -> Result<AppendOutcome> {
         let mut backoff = policy.initial_backoff;
         let mut attempts = 0;
-        // The cached state's seq is a good first guess; a conflict corrects it.
-        let mut head = self.cached_state(session_id).map(|s| s.seq);
         loop {
             attempts += 1;
-            let expected = match head {
-                Some(h) => h,
-                None => match self.head_seq(session_id).await {
-                    Ok(h) => h,
-                    Err(e) if e.is_retryable() && attempts < policy.max_attempts => {
-                        sleep_jittered(&mut backoff, policy).await;
-                        continue;
-                    }
-                    Err(e) if e.is_retryable() => {
-                        return Err(Error::RetriesExhausted {
-                            session_id,
-                            attempts,
-                            last: Box::new(e),
-                        })
-                    }
-                    Err(e) => return Err(e),
-                },
-            };
-            match self.append(session_id, expected, events.clone()).await {
+            match self
+                .append_inner(None, session_id, None, events.clone())
+                .await
+            {
                 Ok(outcome) => return Ok(outcome),
                 Err(e) if e.is_retryable() && attempts < policy.max_attempts.max(1) => {
-                    head = match &e {
-                        Error::Conflict { current, .. } => Some(*current),
-                        _ => None,
-                    };
                     debug!(session = %session_id, attempts, cause = %e, "append retried");
                     sleep_jittered(&mut backoff, policy).await;
                 }
@@ -581,7 +596,20 @@ impl Store {
             .and_then(|m| m.get(&session_id).cloned())
     }
 
-    fn cache_state(&self, state: SessionState) {
+    fn take_cached(&self, session_id: Uuid) -> Option<SessionState> {
+        self.states
+            .lock()
+            .ok()
+            .and_then(|mut m| m.remove(&session_id))
+    }
+
+    /// Caches a state, keeping only the calls of its effective window: the
+    /// calls index holds the others, and `prefetch_calls` loads any a batch
+    /// names, so validation needs no more, and a long session's cached
+    /// state stays the size of its window rather than of its history.
+    fn cache_state(&self, mut state: SessionState) {
+        let window_start = state.window_start;
+        state.calls.retain(|_, c| c.seq >= window_start);
         if let Ok(mut m) = self.states.lock() {
             if m.len() >= STATE_CACHE_SESSIONS && !m.contains_key(&state.session_id) {
                 m.clear();
@@ -754,13 +782,13 @@ fn check_batch_ids(events: &[NewEvent]) -> Result<()> {
 /// the outcome and, when events were written, the session state after them.
 async fn append_in<T: LogTx>(
     mut tx: T,
-    cached: Option<SessionState>,
+    cached: &mut Option<SessionState>,
     tenant: Option<&str>,
     session_id: Uuid,
-    expected_seq: i64,
+    expected_seq: Option<i64>,
     events: &[NewEvent],
     options: &StoreOptions,
-) -> Result<(AppendOutcome, Option<SessionState>)> {
+) -> Result<AppendOutcome> {
     // 0. Tenant isolation: another tenant's session does not exist for
     // this caller, whatever else the batch says.
     let mut creates_for = None;
@@ -816,13 +844,10 @@ async fn append_in<T: LogTx>(
             let in_order = answer.windows(2).all(|w| w[0].seq < w[1].seq);
             if all_stored && in_order {
                 debug!(session = %session_id, "idempotent retry answered from the log");
-                return Ok((
-                    AppendOutcome {
-                        events: answer,
-                        replayed: true,
-                    },
-                    None,
-                ));
+                return Ok(AppendOutcome {
+                    events: answer,
+                    replayed: true,
+                });
             }
             let message = if all_stored {
                 "every event of the batch is already stored, but in another order".to_owned()
@@ -840,37 +865,37 @@ async fn append_in<T: LogTx>(
     }
 
     // 2. Expected seq.
-    let head = tx.head_seq(session_id).await?;
-    if head != expected_seq {
+    let (head, head_hash) = tx.head(session_id).await?;
+    if let Some(expected) = expected_seq.filter(|e| *e != head) {
         return Err(Error::Conflict {
             session_id,
-            expected: expected_seq,
+            expected,
             current: head,
         });
     }
     if events.is_empty() {
-        return Ok((
-            AppendOutcome {
-                events: Vec::new(),
-                replayed: false,
-            },
-            None,
-        ));
+        return Ok(AppendOutcome {
+            events: Vec::new(),
+            replayed: false,
+        });
     }
 
-    // 3. Catch the session state up to the head, then validate.
-    let state = match cached {
+    // 3. Catch the session state up to the head, then validate. The state
+    // is taken: whatever fails from here leaves the cache without it (it
+    // may hold part of the batch).
+    let state = match cached.take() {
         Some(s) if s.seq <= head => s,
         _ => cold_state(&mut tx, session_id).await?,
     };
     let mut state = catch_up(&mut tx, state, head).await?;
     prefetch_calls(&mut tx, &mut state, events).await?;
-    let mut prev_hash = chain::head_hash(&mut tx, session_id, head).await?;
+    let mut prev_hash = chain::head_hash(&mut tx, session_id, head, head_hash).await?;
     let first_position = tx.reserve_positions(events.len() as i64).await?;
     let now = Utc::now().trunc_subsecs(6);
     let mut rows = Vec::with_capacity(events.len());
-    let mut new_calls: Vec<CallRow> = Vec::new();
-    let mut results: Vec<(String, i64)> = Vec::new();
+    // The calls index rows this batch writes, one per call id.
+    let mut calls: Vec<CallRow> = Vec::new();
+    let mut call_index: HashMap<&str, usize> = HashMap::new();
     let mut last_view = None;
     for (i, e) in events.iter().enumerate() {
         let payload = e.body.to_json_text();
@@ -911,15 +936,31 @@ async fn append_in<T: LogTx>(
         match &e.body {
             EventBody::ToolCall {
                 call_id, tool_name, ..
-            } => new_calls.push((call_id.clone(), tool_name.clone(), row.seq, None)),
-            EventBody::ToolResult { call_id, .. } => results.push((call_id.clone(), row.seq)),
+            } => {
+                call_index.insert(call_id, calls.len());
+                calls.push((call_id.clone(), tool_name.clone(), row.seq, None));
+            }
+            EventBody::ToolResult {
+                call_id, tool_name, ..
+            } => match call_index.get(call_id.as_str()) {
+                Some(&i) => calls[i].3 = Some(row.seq),
+                None => {
+                    // Validation found the call in the state (loaded by
+                    // `prefetch_calls` when it was not there).
+                    let call_seq = state.calls.get(call_id).map(|c| c.seq).unwrap_or(0);
+                    call_index.insert(call_id, calls.len());
+                    calls.push((call_id.clone(), tool_name.clone(), call_seq, Some(row.seq)));
+                }
+            },
             body if body.is_refresh_point() => last_view = Some(state.view()),
             _ => {}
         }
         rows.push(row);
     }
     tx.insert(&rows).await?;
-    tx.record_calls(session_id, &new_calls, &results).await?;
+    if !calls.is_empty() {
+        tx.record_calls(session_id, &calls).await?;
+    }
     if let Some(view) = &last_view {
         tx.write_view(&ViewRow::from_view(view)).await?;
     }
@@ -942,13 +983,11 @@ async fn append_in<T: LogTx>(
             position: r.position,
         })
         .collect();
-    Ok((
-        AppendOutcome {
-            events: appended,
-            replayed: false,
-        },
-        Some(state),
-    ))
+    *cached = Some(state);
+    Ok(AppendOutcome {
+        events: appended,
+        replayed: false,
+    })
 }
 
 /// The state of a session not in the cache: from its materialized view and
@@ -1166,7 +1205,7 @@ fn first_view_difference(stored: &View, expected: &View) -> Option<String> {
 async fn rebuild_in<T: LogTx>(mut tx: T, session_id: Uuid) -> Result<()> {
     let (view, state) = fold_log(&mut tx, session_id).await?;
     tx.clear_derived(session_id).await?;
-    tx.record_calls(session_id, &call_rows(&state), &[]).await?;
+    tx.record_calls(session_id, &call_rows(&state)).await?;
     if let Some(view) = &view {
         tx.write_view(&ViewRow::from_view(view)).await?;
     }

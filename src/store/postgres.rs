@@ -101,7 +101,11 @@ impl PgBackend {
                 .fetch_one(&mut *tx)
                 .await
                 .map_err(Error::from_sqlx)?;
-        Ok(PgTx { tx, last })
+        Ok(PgTx {
+            tx,
+            last,
+            unwritten: 0,
+        })
     }
 
     /// A read transaction: one snapshot (REPEATABLE READ) for the view,
@@ -112,7 +116,11 @@ impl PgBackend {
             .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
             .await
             .map_err(Error::from_sqlx)?;
-        Ok(PgTx { tx, last: 0 })
+        Ok(PgTx {
+            tx,
+            last: 0,
+            unwritten: 0,
+        })
     }
 
     pub(crate) async fn head_seq(&self, session_id: Uuid) -> Result<i64> {
@@ -171,13 +179,27 @@ async fn head_seq<'e, E: sqlx::PgExecutor<'e>>(ex: E, session_id: Uuid) -> Resul
 /// A write transaction holding the position counter's row lock.
 pub(crate) struct PgTx {
     tx: Transaction<'static, Postgres>,
-    /// The counter's value when the lock was taken.
+    /// The counter's value when the lock was taken, plus what was reserved.
     last: i64,
+    /// Positions reserved but not yet added to the stored counter: the next
+    /// insert adds them in its own statement, saving a round trip.
+    unwritten: i64,
 }
 
 impl LogTx for PgTx {
     async fn head_seq(&mut self, session_id: Uuid) -> Result<i64> {
         head_seq(&mut *self.tx, session_id).await
+    }
+
+    async fn head(&mut self, session_id: Uuid) -> Result<(i64, Option<String>)> {
+        let row: Option<(i64, Option<String>)> = sqlx::query_as(
+            "SELECT seq, hash FROM events WHERE session_id = $1 ORDER BY seq DESC LIMIT 1",
+        )
+        .bind(session_id)
+        .fetch_optional(&mut *self.tx)
+        .await
+        .map_err(Error::from_sqlx)?;
+        Ok(row.unwrap_or((0, None)))
     }
 
     async fn stored_by_ids(&mut self, ids: &[Uuid]) -> Result<Vec<StoredEvent>> {
@@ -205,13 +227,12 @@ impl LogTx for PgTx {
     }
 
     async fn reserve_positions(&mut self, n: i64) -> Result<i64> {
-        sqlx::query("UPDATE event_position SET last = last + $1 WHERE id = 1")
-            .bind(n)
-            .execute(&mut *self.tx)
-            .await
-            .map_err(Error::from_sqlx)?;
+        // The counter row is locked and `last` read: the positions are ours.
+        // Writing the counter back waits for the insert, which does it in
+        // the same statement (or for the commit).
         let first = self.last + 1;
         self.last += n;
+        self.unwritten += n;
         Ok(first)
     }
 
@@ -225,7 +246,8 @@ impl LogTx for PgTx {
         let times: Vec<DateTime<Utc>> = rows.iter().map(|r| r.recorded_at).collect();
         let hashes: Vec<&str> = rows.iter().map(|r| r.hash.as_str()).collect();
         sqlx::query(
-            "INSERT INTO events (position, session_id, seq, event_id, type, payload, recorded_at, hash) \
+            "WITH counter AS (UPDATE event_position SET last = last + $9 WHERE id = 1 AND $9 > 0) \
+             INSERT INTO events (position, session_id, seq, event_id, type, payload, recorded_at, hash) \
              SELECT * FROM UNNEST($1::BIGINT[], $2::UUID[], $3::BIGINT[], $4::UUID[], $5::TEXT[], $6::TEXT[], $7::TIMESTAMPTZ[], $8::TEXT[])",
         )
         .bind(positions)
@@ -236,9 +258,11 @@ impl LogTx for PgTx {
         .bind(payloads)
         .bind(times)
         .bind(hashes)
+        .bind(self.unwritten)
         .execute(&mut *self.tx)
         .await
         .map_err(Error::from_sqlx)?;
+        self.unwritten = 0;
         Ok(())
     }
 
@@ -291,44 +315,27 @@ impl LogTx for PgTx {
         .map_err(Error::from_sqlx)
     }
 
-    async fn record_calls(
-        &mut self,
-        session_id: Uuid,
-        new_calls: &[CallRow],
-        results: &[(String, i64)],
-    ) -> Result<()> {
-        if !new_calls.is_empty() {
-            let ids: Vec<&str> = new_calls.iter().map(|c| c.0.as_str()).collect();
-            let names: Vec<&str> = new_calls.iter().map(|c| c.1.as_str()).collect();
-            let seqs: Vec<i64> = new_calls.iter().map(|c| c.2).collect();
-            let result_seqs: Vec<Option<i64>> = new_calls.iter().map(|c| c.3).collect();
-            sqlx::query(
-                "INSERT INTO calls (session_id, call_id, tool_name, call_seq, result_seq) \
-                 SELECT $1, * FROM UNNEST($2::TEXT[], $3::TEXT[], $4::BIGINT[], $5::BIGINT[])",
-            )
-            .bind(session_id)
-            .bind(ids)
-            .bind(names)
-            .bind(seqs)
-            .bind(result_seqs)
-            .execute(&mut *self.tx)
-            .await
-            .map_err(Error::from_sqlx)?;
+    async fn record_calls(&mut self, session_id: Uuid, rows: &[CallRow]) -> Result<()> {
+        if rows.is_empty() {
+            return Ok(());
         }
-        if !results.is_empty() {
-            let ids: Vec<&str> = results.iter().map(|r| r.0.as_str()).collect();
-            let seqs: Vec<i64> = results.iter().map(|r| r.1).collect();
-            sqlx::query(
-                "UPDATE calls SET result_seq = r.seq FROM UNNEST($2::TEXT[], $3::BIGINT[]) AS r(call_id, seq) \
-                 WHERE calls.session_id = $1 AND calls.call_id = r.call_id",
-            )
-            .bind(session_id)
-            .bind(ids)
-            .bind(seqs)
-            .execute(&mut *self.tx)
-            .await
-            .map_err(Error::from_sqlx)?;
-        }
+        let ids: Vec<&str> = rows.iter().map(|c| c.0.as_str()).collect();
+        let names: Vec<&str> = rows.iter().map(|c| c.1.as_str()).collect();
+        let seqs: Vec<i64> = rows.iter().map(|c| c.2).collect();
+        let result_seqs: Vec<Option<i64>> = rows.iter().map(|c| c.3).collect();
+        sqlx::query(
+            "INSERT INTO calls (session_id, call_id, tool_name, call_seq, result_seq) \
+             SELECT $1, * FROM UNNEST($2::TEXT[], $3::TEXT[], $4::BIGINT[], $5::BIGINT[]) \
+             ON CONFLICT (session_id, call_id) DO UPDATE SET result_seq = EXCLUDED.result_seq",
+        )
+        .bind(session_id)
+        .bind(ids)
+        .bind(names)
+        .bind(seqs)
+        .bind(result_seqs)
+        .execute(&mut *self.tx)
+        .await
+        .map_err(Error::from_sqlx)?;
         Ok(())
     }
 
@@ -468,7 +475,14 @@ impl LogTx for PgTx {
         Ok((count, max, last))
     }
 
-    async fn commit(self) -> Result<()> {
+    async fn commit(mut self) -> Result<()> {
+        if self.unwritten > 0 {
+            sqlx::query("UPDATE event_position SET last = last + $1 WHERE id = 1")
+                .bind(self.unwritten)
+                .execute(&mut *self.tx)
+                .await
+                .map_err(Error::from_sqlx)?;
+        }
         self.tx.commit().await.map_err(Error::from_sqlx)
     }
 }

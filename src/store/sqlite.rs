@@ -141,13 +141,13 @@ impl SqliteBackend {
             .begin_with("BEGIN IMMEDIATE")
             .await
             .map_err(Error::from_sqlx)?;
-        Ok(SqliteTx(tx))
+        Ok(SqliteTx(tx, None))
     }
 
     /// A read transaction: one snapshot for the view, window and tail.
     pub(crate) async fn begin_read(&self) -> Result<SqliteTx> {
         let tx = self.pool.begin().await.map_err(Error::from_sqlx)?;
-        Ok(SqliteTx(tx))
+        Ok(SqliteTx(tx, None))
     }
 
     pub(crate) async fn head_seq(&self, session_id: Uuid) -> Result<i64> {
@@ -199,12 +199,30 @@ async fn head_seq<'e, E: sqlx::SqliteExecutor<'e>>(ex: E, session_id: Uuid) -> R
     Ok(seq)
 }
 
-/// A write transaction holding SQLite's write lock.
-pub(crate) struct SqliteTx(Transaction<'static, Sqlite>);
+/// A transaction (a write transaction holds SQLite's write lock) and the
+/// largest position, when [`LogTx::head`] read it: under the write lock it
+/// cannot change, so reserving positions needs no statement of its own.
+pub(crate) struct SqliteTx(Transaction<'static, Sqlite>, Option<i64>);
 
 impl LogTx for SqliteTx {
     async fn head_seq(&mut self, session_id: Uuid) -> Result<i64> {
         head_seq(&mut *self.0, session_id).await
+    }
+
+    async fn head(&mut self, session_id: Uuid) -> Result<(i64, Option<String>)> {
+        // Three independent subqueries, so that each keeps its index plan
+        // (MAX(position) is a look at the end of the rowid tree).
+        let (last_position, seq, hash): (i64, Option<i64>, Option<String>) = sqlx::query_as(
+            "SELECT (SELECT COALESCE(MAX(position), 0) FROM events), \
+             (SELECT seq FROM events WHERE session_id = ?1 ORDER BY seq DESC LIMIT 1), \
+             (SELECT hash FROM events WHERE session_id = ?1 ORDER BY seq DESC LIMIT 1)",
+        )
+        .bind(session_id.to_string())
+        .fetch_one(&mut *self.0)
+        .await
+        .map_err(Error::from_sqlx)?;
+        self.1 = Some(last_position);
+        Ok((seq.unwrap_or(0), hash))
     }
 
     async fn stored_by_ids(&mut self, ids: &[Uuid]) -> Result<Vec<StoredEvent>> {
@@ -246,6 +264,9 @@ impl LogTx for SqliteTx {
     async fn reserve_positions(&mut self, _n: i64) -> Result<i64> {
         // The write lock is held: nobody else can take a position before we
         // commit, so the next free one is simply max + 1.
+        if let Some(last) = self.1.take() {
+            return Ok(last + 1);
+        }
         let (last,): (i64,) = sqlx::query_as("SELECT COALESCE(MAX(position), 0) FROM events")
             .fetch_one(&mut *self.0)
             .await
@@ -335,13 +356,8 @@ impl LogTx for SqliteTx {
         Ok(out)
     }
 
-    async fn record_calls(
-        &mut self,
-        session_id: Uuid,
-        new_calls: &[CallRow],
-        results: &[(String, i64)],
-    ) -> Result<()> {
-        for chunk in new_calls.chunks(INSERT_CHUNK) {
+    async fn record_calls(&mut self, session_id: Uuid, rows: &[CallRow]) -> Result<()> {
+        for chunk in rows.chunks(INSERT_CHUNK) {
             let mut q = QueryBuilder::<Sqlite>::new(
                 "INSERT INTO calls (session_id, call_id, tool_name, call_seq, result_seq) ",
             );
@@ -352,16 +368,10 @@ impl LogTx for SqliteTx {
                     .push_bind(c.2)
                     .push_bind(c.3);
             });
+            q.push(
+                " ON CONFLICT (session_id, call_id) DO UPDATE SET result_seq = excluded.result_seq",
+            );
             q.build()
-                .execute(&mut *self.0)
-                .await
-                .map_err(Error::from_sqlx)?;
-        }
-        for (call_id, seq) in results {
-            sqlx::query("UPDATE calls SET result_seq = ? WHERE session_id = ? AND call_id = ?")
-                .bind(seq)
-                .bind(session_id.to_string())
-                .bind(call_id)
                 .execute(&mut *self.0)
                 .await
                 .map_err(Error::from_sqlx)?;
