@@ -22,6 +22,7 @@
 //! memory of the cache grows with the session's history.
 
 mod chain;
+mod group;
 pub(crate) mod postgres;
 pub(crate) mod sqlite;
 mod subscribe;
@@ -347,6 +348,7 @@ struct ActiveJson {
     evidence_seq: i64,
 }
 
+#[derive(Clone)]
 enum Backend {
     Sqlite(sqlite::SqliteBackend),
     Postgres(postgres::PgBackend),
@@ -385,7 +387,54 @@ pub enum BackendKind {
 pub struct Store {
     backend: Backend,
     options: StoreOptions,
-    states: Mutex<HashMap<Uuid, SessionState>>,
+    states: StateCache,
+    /// Appends waiting to be committed by the next group (`group`).
+    queue: Mutex<Vec<group::Pending>>,
+    /// Held by the task committing a group; whoever takes it next commits
+    /// everything queued meanwhile.
+    writer: std::sync::Arc<tokio::sync::Mutex<()>>,
+}
+
+/// The per-session states of this process (see the module docs), shared
+/// with the group commit task.
+#[derive(Clone, Default)]
+pub(crate) struct StateCache(std::sync::Arc<Mutex<HashMap<Uuid, SessionState>>>);
+
+impl StateCache {
+    /// A copy of the session's state (for reads).
+    fn get(&self, session_id: Uuid) -> Option<SessionState> {
+        self.0.lock().ok().and_then(|m| m.get(&session_id).cloned())
+    }
+
+    /// The session's state, taken out (for an append, under the write lock).
+    pub(crate) fn take(&self, session_id: Uuid) -> Option<SessionState> {
+        self.0.lock().ok().and_then(|mut m| m.remove(&session_id))
+    }
+
+    /// Caches a state, keeping only the calls of its effective window: the
+    /// calls index holds the others, and `prefetch_calls` loads any a batch
+    /// names, so validation needs no more, and a long session's cached
+    /// state stays the size of its window rather than of its history.
+    pub(crate) fn put(&self, mut state: SessionState) {
+        let window_start = state.window_start;
+        state.calls.retain(|_, c| c.seq >= window_start);
+        if let Ok(mut m) = self.0.lock() {
+            if m.len() >= STATE_CACHE_SESSIONS && !m.contains_key(&state.session_id) {
+                m.clear();
+            }
+            m.insert(state.session_id, state);
+        }
+    }
+
+    fn remove(&self, session_id: Uuid) {
+        self.take(session_id);
+    }
+
+    fn clear(&self) {
+        if let Ok(mut m) = self.0.lock() {
+            m.clear();
+        }
+    }
 }
 
 impl std::fmt::Debug for Store {
@@ -431,7 +480,9 @@ impl Store {
         let store = Store {
             backend,
             options,
-            states: Mutex::new(HashMap::new()),
+            states: StateCache::default(),
+            queue: Mutex::new(Vec::new()),
+            writer: Default::default(),
         };
         store.migrate().await?;
         store.backfill_chains().await?;
@@ -488,11 +539,12 @@ impl Store {
     /// whatever the head is when the write lock is held (no conflict is
     /// possible then).
     ///
-    /// The cached state is taken out of the cache only once the write lock
-    /// is held, and put back (advanced by the batch) after the commit: no
-    /// other append of this process can hold it meanwhile, so it is moved,
-    /// never cloned (a clone costs the whole window, and used to cost every
-    /// call of the session).
+    /// The append joins the queue of the group commit (`group`): it waits
+    /// for its reply, or for the writer slot, and then commits the whole
+    /// queue in one transaction. The cached state of a session is taken out
+    /// of the cache under the write lock and put back (advanced by the
+    /// batch) after the commit: it is moved, never cloned (a clone costs the
+    /// whole window, and used to cost every call of the session).
     async fn append_inner(
         &self,
         tenant: Option<&str>,
@@ -501,41 +553,49 @@ impl Store {
         events: Vec<NewEvent>,
     ) -> Result<AppendOutcome> {
         check_batch_ids(&events)?;
-        let mut cached;
-        let outcome = match &self.backend {
-            Backend::Sqlite(b) => {
-                let tx = b.begin_write().await?;
-                cached = self.take_cached(session_id);
-                append_in(
-                    tx,
-                    &mut cached,
-                    tenant,
-                    session_id,
-                    expected_seq,
-                    &events,
-                    &self.options,
-                )
-                .await
-            }
-            Backend::Postgres(b) => {
-                let tx = b.begin_write().await?;
-                cached = self.take_cached(session_id);
-                append_in(
-                    tx,
-                    &mut cached,
-                    tenant,
-                    session_id,
-                    expected_seq,
-                    &events,
-                    &self.options,
-                )
-                .await
-            }
+        let (reply, mut answer) = tokio::sync::oneshot::channel();
+        let pending = group::Pending {
+            tenant: tenant.map(str::to_owned),
+            session_id,
+            expected_seq,
+            events,
+            reply,
         };
-        if let Some(state) = cached {
-            self.cache_state(state);
+        match self.queue.lock() {
+            Ok(mut q) => q.push(pending),
+            Err(_) => {
+                return Err(Error::Database(
+                    "the append queue is unusable after a panic in another append".to_owned(),
+                ))
+            }
         }
-        outcome
+        let lost = || {
+            Error::Unavailable(
+                "the task committing this append stopped before answering; the append may or may not be stored, so retry it with the same event ids".to_owned(),
+            )
+        };
+        let slot = tokio::select! {
+            biased;
+            result = &mut answer => return result.unwrap_or_else(|_| Err(lost())),
+            slot = self.writer.clone().lock_owned() => slot,
+        };
+        // A group committed before this one may have taken the append.
+        if let Ok(result) = answer.try_recv() {
+            return result;
+        }
+        let batch = self
+            .queue
+            .lock()
+            .map(|mut q| std::mem::take(&mut *q))
+            .unwrap_or_default();
+        tokio::spawn(group::commit_group(
+            self.backend.clone(),
+            self.options.clone(),
+            self.states.clone(),
+            batch,
+            slot,
+        ));
+        answer.await.unwrap_or_else(|_| Err(lost()))
     }
 
     /// Appends `events` at the session's current head, whatever it is. The
@@ -590,32 +650,11 @@ impl Store {
     }
 
     fn cached_state(&self, session_id: Uuid) -> Option<SessionState> {
-        self.states
-            .lock()
-            .ok()
-            .and_then(|m| m.get(&session_id).cloned())
+        self.states.get(session_id)
     }
 
-    fn take_cached(&self, session_id: Uuid) -> Option<SessionState> {
-        self.states
-            .lock()
-            .ok()
-            .and_then(|mut m| m.remove(&session_id))
-    }
-
-    /// Caches a state, keeping only the calls of its effective window: the
-    /// calls index holds the others, and `prefetch_calls` loads any a batch
-    /// names, so validation needs no more, and a long session's cached
-    /// state stays the size of its window rather than of its history.
-    fn cache_state(&self, mut state: SessionState) {
-        let window_start = state.window_start;
-        state.calls.retain(|_, c| c.seq >= window_start);
-        if let Ok(mut m) = self.states.lock() {
-            if m.len() >= STATE_CACHE_SESSIONS && !m.contains_key(&state.session_id) {
-                m.clear();
-            }
-            m.insert(state.session_id, state);
-        }
+    fn cache_state(&self, state: SessionState) {
+        self.states.put(state);
     }
 
     /// The session's latest seq (0 when it has no events).
@@ -739,15 +778,11 @@ impl Store {
     /// materialized view as a freshly started process would (benchmarks and
     /// tests use it to measure the cold path).
     pub fn clear_cache(&self) {
-        if let Ok(mut m) = self.states.lock() {
-            m.clear();
-        }
+        self.states.clear();
     }
 
     fn forget(&self, session_id: Uuid) {
-        if let Ok(mut m) = self.states.lock() {
-            m.remove(&session_id);
-        }
+        self.states.remove(session_id);
     }
 
     /// Closes the connection pool, waiting for connections to finish.
@@ -778,16 +813,50 @@ fn check_batch_ids(events: &[NewEvent]) -> Result<()> {
     Ok(())
 }
 
-/// The append path shared by both backends (see the module docs). Returns
-/// the outcome and, when events were written, the session state after them.
-async fn append_in<T: LogTx>(
-    mut tx: T,
+/// Judges one batch and, if it is accepted, writes it into the open write
+/// transaction `tx` (the caller commits; see `group`). Nothing is written
+/// until the whole batch is accepted, so a rejected batch leaves `tx` as it
+/// was and the group's other appends go on.
+pub(crate) async fn append_in<T: LogTx>(
+    tx: &mut T,
     cached: &mut Option<SessionState>,
     tenant: Option<&str>,
     session_id: Uuid,
     expected_seq: Option<i64>,
     events: &[NewEvent],
     options: &StoreOptions,
+) -> std::result::Result<AppendOutcome, group::Failed> {
+    let mut wrote = false;
+    judge_and_write(
+        tx,
+        cached,
+        tenant,
+        session_id,
+        expected_seq,
+        events,
+        options,
+        &mut wrote,
+    )
+    .await
+    .map_err(|error| {
+        let mut failed = group::Failed::from(error);
+        failed.broken |= wrote;
+        failed
+    })
+}
+
+/// The body of [`append_in`] (see the module docs for the order in which a
+/// batch is judged); sets `wrote` before its first write.
+#[allow(clippy::too_many_arguments)]
+async fn judge_and_write<T: LogTx>(
+    tx: &mut T,
+    cached: &mut Option<SessionState>,
+    tenant: Option<&str>,
+    session_id: Uuid,
+    expected_seq: Option<i64>,
+    events: &[NewEvent],
+    options: &StoreOptions,
+    wrote: &mut bool,
 ) -> Result<AppendOutcome> {
     // 0. Tenant isolation: another tenant's session does not exist for
     // this caller, whatever else the batch says.
@@ -885,12 +954,11 @@ async fn append_in<T: LogTx>(
     // may hold part of the batch).
     let state = match cached.take() {
         Some(s) if s.seq <= head => s,
-        _ => cold_state(&mut tx, session_id).await?,
+        _ => cold_state(tx, session_id).await?,
     };
-    let mut state = catch_up(&mut tx, state, head).await?;
-    prefetch_calls(&mut tx, &mut state, events).await?;
-    let mut prev_hash = chain::head_hash(&mut tx, session_id, head, head_hash).await?;
-    let first_position = tx.reserve_positions(events.len() as i64).await?;
+    let mut state = catch_up(tx, state, head).await?;
+    prefetch_calls(tx, &mut state, events).await?;
+    let mut prev_hash = chain::head_hash(tx, session_id, head, head_hash).await?;
     let now = Utc::now().trunc_subsecs(6);
     let mut rows = Vec::with_capacity(events.len());
     // The calls index rows this batch writes, one per call id.
@@ -917,7 +985,8 @@ async fn append_in<T: LogTx>(
             session_id,
             seq: head + 1 + i as i64,
             event_id: e.event_id.unwrap_or_else(Uuid::now_v7),
-            position: first_position + i as i64,
+            // Positions are reserved once the batch is accepted (below).
+            position: 0,
             recorded_at: e.recorded_at.map(|t| t.trunc_subsecs(6)).unwrap_or(now),
             body: e.body.clone(),
         };
@@ -957,6 +1026,16 @@ async fn append_in<T: LogTx>(
         }
         rows.push(row);
     }
+    // Accepted: reserve positions (a rejected batch must not take any, or
+    // the global order would have holes) and write.
+    *wrote = true;
+    let first_position = tx.reserve_positions(events.len() as i64).await?;
+    for (i, row) in rows.iter_mut().enumerate() {
+        row.position = first_position + i as i64;
+    }
+    for r in state.rows.iter_mut().rev().take_while(|r| r.seq > head) {
+        r.position = first_position + (r.seq - head - 1);
+    }
     tx.insert(&rows).await?;
     if !calls.is_empty() {
         tx.record_calls(session_id, &calls).await?;
@@ -968,13 +1047,6 @@ async fn append_in<T: LogTx>(
         tx.claim_session(session_id, tenant).await?;
     }
     tx.notify(session_id, head + events.len() as i64).await?;
-    if let Some(pause) = options.fault_pause_before_commit {
-        tokio::time::sleep(pause).await;
-    }
-    tx.commit().await?;
-    if let Some(pause) = options.fault_pause_after_commit {
-        tokio::time::sleep(pause).await;
-    }
     let appended = rows
         .iter()
         .map(|r| Appended {

@@ -42,6 +42,7 @@ const SESSION_SETTINGS: [(&str, &str); 3] = [
 /// The LISTEN/NOTIFY channel: payload "session:seq", a wake-up only.
 pub(crate) const NOTIFY_CHANNEL: &str = "session_store_events";
 
+#[derive(Clone)]
 pub(crate) struct PgBackend {
     pool: PgPool,
 }

@@ -33,6 +33,7 @@ type HashedRow = (i64, String, i64, String, String, String, Option<String>);
 
 const COLUMNS: &str = "position, session_id, seq, event_id, payload, recorded_at";
 
+#[derive(Clone)]
 pub(crate) struct SqliteBackend {
     pool: SqlitePool,
 }
