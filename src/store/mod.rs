@@ -179,6 +179,41 @@ pub(crate) trait LogTx: Send {
         after: i64,
         upto: i64,
     ) -> impl Future<Output = Result<Vec<StoredEvent>>> + Send;
+    /// The stored events with any of `ids`, and the session's head seq and
+    /// its hash: the reads that open every append. The default makes two
+    /// statements of it; a backend may make one.
+    fn judge_reads(
+        &mut self,
+        session_id: Uuid,
+        ids: &[Uuid],
+    ) -> impl Future<Output = Result<(Vec<StoredEvent>, i64, Option<String>)>> + Send {
+        async move {
+            let stored = match ids.is_empty() {
+                true => Vec::new(),
+                false => self.stored_by_ids(ids).await?,
+            };
+            let (head, hash) = self.head(session_id).await?;
+            Ok((stored, head, hash))
+        }
+    }
+    /// Writes an accepted batch: its rows, calls, view and owner, and the
+    /// wake-up. The default makes a statement of each; a backend may make
+    /// one statement of all.
+    fn write_accepted(&mut self, w: Accepted<'_>) -> impl Future<Output = Result<()>> + Send {
+        async move {
+            self.insert(w.rows).await?;
+            if !w.calls.is_empty() {
+                self.record_calls(w.session_id, w.calls).await?;
+            }
+            if let Some(view) = w.view {
+                self.write_view(view).await?;
+            }
+            if let Some(tenant) = w.claim_for {
+                self.claim_session(w.session_id, tenant).await?;
+            }
+            self.notify(w.session_id, w.seq).await
+        }
+    }
     /// Reserves `n` global positions; returns the first.
     fn reserve_positions(&mut self, n: i64) -> impl Future<Output = Result<i64>> + Send;
     /// Inserts the rows.
@@ -249,6 +284,19 @@ pub(crate) trait LogTx: Send {
     fn position_summary(&mut self) -> impl Future<Output = Result<(i64, i64, i64)>> + Send;
     /// Commits.
     fn commit(self) -> impl Future<Output = Result<()>> + Send;
+}
+
+/// What an accepted batch writes (see [`LogTx::write_accepted`]).
+pub(crate) struct Accepted<'a> {
+    pub(crate) session_id: Uuid,
+    pub(crate) rows: &'a [PendingRow],
+    pub(crate) calls: &'a [CallRow],
+    /// The view at the batch's last refresh point, if it has one.
+    pub(crate) view: Option<&'a ViewRow>,
+    /// The tenant to record as the owner of a session this batch creates.
+    pub(crate) claim_for: Option<&'a str>,
+    /// The session's seq after the batch (for the wake-up).
+    pub(crate) seq: i64,
 }
 
 /// One row of the calls index: call id, tool name, call seq, result seq.
@@ -872,69 +920,66 @@ async fn judge_and_write<T: LogTx>(
         }
     }
 
-    // 1. Idempotent retry.
+    // 1. Idempotent retry (the head, for step 2, is read in the same
+    // statement where the backend can).
     let ids: Vec<Uuid> = events.iter().filter_map(|e| e.event_id).collect();
-    if !ids.is_empty() {
-        let stored = tx.stored_by_ids(&ids).await?;
-        if !stored.is_empty() {
-            let by_id: HashMap<Uuid, &StoredEvent> =
-                stored.iter().map(|e| (e.event_id, e)).collect();
-            for (i, e) in events.iter().enumerate() {
-                let Some(prior) = e.event_id.and_then(|id| by_id.get(&id)) else {
-                    continue;
-                };
-                if prior.session_id != session_id || prior.body != e.body {
-                    return Err(ValidationError::new(
-                        Rule::EventIdReused,
-                        Some("event_id"),
-                        // Names neither the other session nor its seq: the
-                        // caller may not be allowed to know they exist.
-                        format!(
-                            "`event_id` {} is already stored with other content or in another session",
-                            prior.event_id
-                        ),
-                    )
-                    .at_index(i)
-                    .into());
-                }
+    let (stored, head, head_hash) = tx.judge_reads(session_id, &ids).await?;
+    if !stored.is_empty() {
+        let by_id: HashMap<Uuid, &StoredEvent> = stored.iter().map(|e| (e.event_id, e)).collect();
+        for (i, e) in events.iter().enumerate() {
+            let Some(prior) = e.event_id.and_then(|id| by_id.get(&id)) else {
+                continue;
+            };
+            if prior.session_id != session_id || prior.body != e.body {
+                return Err(ValidationError::new(
+                    Rule::EventIdReused,
+                    Some("event_id"),
+                    // Names neither the other session nor its seq: the
+                    // caller may not be allowed to know they exist.
+                    format!(
+                        "`event_id` {} is already stored with other content or in another session",
+                        prior.event_id
+                    ),
+                )
+                .at_index(i)
+                .into());
             }
-            let all_stored = events
-                .iter()
-                .all(|e| e.event_id.is_some_and(|id| by_id.contains_key(&id)));
-            let answer: Vec<Appended> = events
-                .iter()
-                .filter_map(|e| e.event_id.and_then(|id| by_id.get(&id)))
-                .map(|p| Appended {
-                    event_id: p.event_id,
-                    seq: p.seq,
-                    position: p.position,
-                })
-                .collect();
-            let in_order = answer.windows(2).all(|w| w[0].seq < w[1].seq);
-            if all_stored && in_order {
-                debug!(session = %session_id, "idempotent retry answered from the log");
-                return Ok(AppendOutcome {
-                    events: answer,
-                    replayed: true,
-                });
-            }
-            let message = if all_stored {
-                "every event of the batch is already stored, but in another order".to_owned()
-            } else {
-                format!(
+        }
+        let all_stored = events
+            .iter()
+            .all(|e| e.event_id.is_some_and(|id| by_id.contains_key(&id)));
+        let answer: Vec<Appended> = events
+            .iter()
+            .filter_map(|e| e.event_id.and_then(|id| by_id.get(&id)))
+            .map(|p| Appended {
+                event_id: p.event_id,
+                seq: p.seq,
+                position: p.position,
+            })
+            .collect();
+        let in_order = answer.windows(2).all(|w| w[0].seq < w[1].seq);
+        if all_stored && in_order {
+            debug!(session = %session_id, "idempotent retry answered from the log");
+            return Ok(AppendOutcome {
+                events: answer,
+                replayed: true,
+            });
+        }
+        let message = if all_stored {
+            "every event of the batch is already stored, but in another order".to_owned()
+        } else {
+            format!(
                     "{} of the batch's {} events are already stored; retry exactly the batch that was sent, or only the new events",
                     answer.len(),
                     events.len()
                 )
-            };
-            return Err(
-                ValidationError::new(Rule::PartlyStoredBatch, Some("event_id"), message).into(),
-            );
-        }
+        };
+        return Err(
+            ValidationError::new(Rule::PartlyStoredBatch, Some("event_id"), message).into(),
+        );
     }
 
     // 2. Expected seq.
-    let (head, head_hash) = tx.head(session_id).await?;
     if let Some(expected) = expected_seq.filter(|e| *e != head) {
         return Err(Error::Conflict {
             session_id,
@@ -1036,17 +1081,16 @@ async fn judge_and_write<T: LogTx>(
     for r in state.rows.iter_mut().rev().take_while(|r| r.seq > head) {
         r.position = first_position + (r.seq - head - 1);
     }
-    tx.insert(&rows).await?;
-    if !calls.is_empty() {
-        tx.record_calls(session_id, &calls).await?;
-    }
-    if let Some(view) = &last_view {
-        tx.write_view(&ViewRow::from_view(view)).await?;
-    }
-    if let Some(tenant) = creates_for {
-        tx.claim_session(session_id, tenant).await?;
-    }
-    tx.notify(session_id, head + events.len() as i64).await?;
+    let view = last_view.as_ref().map(ViewRow::from_view);
+    tx.write_accepted(Accepted {
+        session_id,
+        rows: &rows,
+        calls: &calls,
+        view: view.as_ref(),
+        claim_for: creates_for,
+        seq: head + events.len() as i64,
+    })
+    .await?;
     let appended = rows
         .iter()
         .map(|r| Appended {

@@ -19,7 +19,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Postgres, Transaction};
 use uuid::Uuid;
 
-use super::{CallRow, LogTx, PendingRow, StoreOptions, ViewColumns, ViewRow};
+use super::{Accepted, CallRow, LogTx, PendingRow, StoreOptions, ViewColumns, ViewRow};
 use crate::error::{Error, Result};
 use crate::event::{EventBody, StoredEvent};
 
@@ -29,6 +29,18 @@ type Row = (i64, Uuid, i64, Uuid, String, DateTime<Utc>);
 
 /// A [`Row`] with its chain hash.
 type HashedRow = (i64, Uuid, i64, Uuid, String, DateTime<Utc>, Option<String>);
+
+/// A [`HashedRow`] and whether it is the session's head (`judge_reads`).
+type JudgeRow = (
+    i64,
+    Uuid,
+    i64,
+    Uuid,
+    String,
+    DateTime<Utc>,
+    Option<String>,
+    bool,
+);
 
 const COLUMNS: &str = "position, session_id, seq, event_id, payload, recorded_at";
 
@@ -201,6 +213,93 @@ impl LogTx for PgTx {
         .await
         .map_err(Error::from_sqlx)?;
         Ok(row.unwrap_or((0, None)))
+    }
+
+    async fn judge_reads(
+        &mut self,
+        session_id: Uuid,
+        ids: &[Uuid],
+    ) -> Result<(Vec<StoredEvent>, i64, Option<String>)> {
+        // One round trip: the rows with these ids, then the head row (its
+        // payload left out: only its seq and hash are wanted).
+        let rows: Vec<JudgeRow> = sqlx::query_as(
+            "SELECT position, session_id, seq, event_id, payload, recorded_at, hash, false \
+                 FROM events WHERE event_id = ANY($1) \
+                 UNION ALL \
+                 (SELECT position, session_id, seq, event_id, '', recorded_at, hash, true \
+                  FROM events WHERE session_id = $2 ORDER BY seq DESC LIMIT 1)",
+        )
+        .bind(ids)
+        .bind(session_id)
+        .fetch_all(&mut *self.tx)
+        .await
+        .map_err(Error::from_sqlx)?;
+        let mut stored = Vec::new();
+        let (mut head, mut hash) = (0, None);
+        for (p, s, q, e, payload, t, h, is_head) in rows {
+            if is_head {
+                (head, hash) = (q, h);
+            } else {
+                stored.push(decode((p, s, q, e, payload, t))?);
+            }
+        }
+        Ok((stored, head, hash))
+    }
+
+    async fn write_accepted(&mut self, w: Accepted<'_>) -> Result<()> {
+        // One round trip for every write of the batch: data-modifying CTEs
+        // (each runs once, to completion) and the wake-up as the main query.
+        let rows = w.rows;
+        let view = w.view;
+        sqlx::query(
+            "WITH counter AS (UPDATE event_position SET last = last + $9 WHERE id = 1 AND $9 > 0), \
+             ev AS (INSERT INTO events (position, session_id, seq, event_id, type, payload, recorded_at, hash) \
+               SELECT * FROM UNNEST($1::BIGINT[], $2::UUID[], $3::BIGINT[], $4::UUID[], $5::TEXT[], $6::TEXT[], $7::TIMESTAMPTZ[], $8::TEXT[])), \
+             calls_w AS (INSERT INTO calls (session_id, call_id, tool_name, call_seq, result_seq) \
+               SELECT $10, * FROM UNNEST($11::TEXT[], $12::TEXT[], $13::BIGINT[], $14::BIGINT[]) \
+               ON CONFLICT (session_id, call_id) DO UPDATE SET result_seq = EXCLUDED.result_seq), \
+             view_w AS (INSERT INTO session_views \
+               (session_id, refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active) \
+               SELECT $10, $15::BIGINT, $16::TEXT, $17::BIGINT, $18::BIGINT, $19::TEXT, $20::TEXT, $21::TEXT, $22::TEXT \
+               WHERE $15::BIGINT IS NOT NULL \
+               ON CONFLICT (session_id) DO UPDATE SET refresh_seq = EXCLUDED.refresh_seq, \
+               mode = EXCLUDED.mode, window_start = EXCLUDED.window_start, \
+               compaction_seq = EXCLUDED.compaction_seq, summary = EXCLUDED.summary, \
+               catalogs = EXCLUDED.catalogs, evidence = EXCLUDED.evidence, active = EXCLUDED.active), \
+             owner_w AS (INSERT INTO session_owners (session_id, tenant) \
+               SELECT $10, $23::TEXT WHERE $23::TEXT IS NOT NULL) \
+             SELECT pg_notify($24, $25)",
+        )
+        .bind(rows.iter().map(|r| r.position).collect::<Vec<i64>>())
+        .bind(rows.iter().map(|r| r.session_id).collect::<Vec<Uuid>>())
+        .bind(rows.iter().map(|r| r.seq).collect::<Vec<i64>>())
+        .bind(rows.iter().map(|r| r.event_id).collect::<Vec<Uuid>>())
+        .bind(rows.iter().map(|r| r.type_name).collect::<Vec<&str>>())
+        .bind(rows.iter().map(|r| r.payload.as_str()).collect::<Vec<&str>>())
+        .bind(rows.iter().map(|r| r.recorded_at).collect::<Vec<DateTime<Utc>>>())
+        .bind(rows.iter().map(|r| r.hash.as_str()).collect::<Vec<&str>>())
+        .bind(self.unwritten)
+        .bind(w.session_id)
+        .bind(w.calls.iter().map(|c| c.0.as_str()).collect::<Vec<&str>>())
+        .bind(w.calls.iter().map(|c| c.1.as_str()).collect::<Vec<&str>>())
+        .bind(w.calls.iter().map(|c| c.2).collect::<Vec<i64>>())
+        .bind(w.calls.iter().map(|c| c.3).collect::<Vec<Option<i64>>>())
+        .bind(view.map(|v| v.refresh_seq))
+        .bind(view.map(|v| v.mode.as_str()))
+        .bind(view.map(|v| v.window_start))
+        .bind(view.and_then(|v| v.compaction_seq))
+        .bind(view.and_then(|v| v.summary.as_deref()))
+        .bind(view.map(|v| v.catalogs.as_str()))
+        .bind(view.map(|v| v.evidence.as_str()))
+        .bind(view.map(|v| v.active.as_str()))
+        .bind(w.claim_for)
+        .bind(NOTIFY_CHANNEL)
+        .bind(format!("{}:{}", w.session_id, w.seq))
+        .execute(&mut *self.tx)
+        .await
+        .map_err(Error::from_sqlx)?;
+        self.unwritten = 0;
+        Ok(())
     }
 
     async fn stored_by_ids(&mut self, ids: &[Uuid]) -> Result<Vec<StoredEvent>> {
