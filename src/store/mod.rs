@@ -731,6 +731,12 @@ impl Store {
     /// The session folded up to `at_seq` (the latest seq when `None`).
     /// Errors: [`Error::SessionNotFound`], [`Error::SeqOutOfRange`].
     pub async fn state(&self, session_id: Uuid, at_seq: Option<i64>) -> Result<SessionState> {
+        if at_seq.is_none() {
+            if let Some(state) = self.latest_fast(session_id).await? {
+                self.cache_state(state.clone());
+                return Ok(state);
+            }
+        }
         let cached = self.cached_state(session_id);
         let state = match &self.backend {
             Backend::Sqlite(b) => {
@@ -744,6 +750,56 @@ impl Store {
             self.cache_state(state.clone());
         }
         Ok(state)
+    }
+
+    /// The latest state in one or two statements and no transaction: the
+    /// read a sidecar makes before every model request, so its round trips
+    /// are most of its cost (docs/benchmarks.md).
+    ///
+    /// With a cached state, one statement reads the head: nothing appended
+    /// since means the cache is the answer. Without, one statement reads
+    /// the view and one reads every event from the view's window start on
+    /// (the window and what came after the view). The log is append-only
+    /// with dense seqs, so the second statement, whenever it runs, returns
+    /// the window the first one's view describes, followed by later events
+    /// only; no snapshot is needed to make them agree. `None` (something
+    /// was appended since the cached state, no view, or more than a page
+    /// after the view) leaves it to the transactional path.
+    async fn latest_fast(&self, session_id: Uuid) -> Result<Option<SessionState>> {
+        if let Some(cached) = self.cached_state(session_id) {
+            let head = self.head_seq(session_id).await?;
+            return Ok((head == cached.seq).then_some(cached));
+        }
+        let row = match &self.backend {
+            Backend::Sqlite(b) => b.view(session_id).await?,
+            Backend::Postgres(b) => b.view(session_id).await?,
+        };
+        let Some(row) = row else { return Ok(None) };
+        let view = row.to_view()?;
+        let window = view.refresh_seq - view.window_start + 1;
+        if window < 0 {
+            return Ok(None);
+        }
+        let limit = window + FOLD_PAGE;
+        let events = match &self.backend {
+            Backend::Sqlite(b) => b.page(session_id, view.window_start - 1, limit).await?,
+            Backend::Postgres(b) => b.page(session_id, view.window_start - 1, limit).await?,
+        };
+        if events.len() as i64 >= limit {
+            return Ok(None);
+        }
+        let split = events.partition_point(|e| e.seq <= view.refresh_seq);
+        if split as i64 != window {
+            return Err(Error::Corrupt(format!(
+                "session {session_id}: the view starts its window at seq {} but the log has {split} of the {window} events up to its refresh point",
+                view.window_start
+            )));
+        }
+        let mut state = SessionState::from_view(&view, &events[..split]);
+        for e in &events[split..] {
+            state.apply(e);
+        }
+        Ok(Some(state))
     }
 
     /// The effective context (§5) as of `at_seq` or the latest event.

@@ -173,6 +173,19 @@ impl SqliteBackend {
         rows.into_iter().map(decode).collect()
     }
 
+    /// The session's materialized view, outside any transaction.
+    pub(crate) async fn view(&self, session_id: Uuid) -> Result<Option<ViewRow>> {
+        let row: Option<ViewColumns> = sqlx::query_as(
+            "SELECT refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active \
+             FROM session_views WHERE session_id = ?",
+        )
+        .bind(session_id.to_string())
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(Error::from_sqlx)?;
+        Ok(row.map(|r| ViewRow::from_columns(session_id, r)))
+    }
+
     pub(crate) async fn feed(&self, after: i64, limit: i64) -> Result<Vec<StoredEvent>> {
         let rows: Vec<Row> = sqlx::query_as(&format!(
             "SELECT {COLUMNS} FROM events WHERE position > ? ORDER BY position LIMIT ?"
