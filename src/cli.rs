@@ -11,6 +11,7 @@ use clap::{Parser, Subcommand};
 use tracing::info;
 use uuid::Uuid;
 
+use crate::audit::{reason_text, At, Explanation, Reason, Refresh};
 use crate::error::{Error, Rule, ValidationError};
 use crate::event::{parse_line, EventBody, LineKind, NewEvent, ParsedLine};
 use crate::projector::{Activations, Context};
@@ -118,6 +119,32 @@ pub enum Command {
         /// The session's UUID.
         session: String,
     },
+    /// Explain whether TOOL is in the activation set and why, from the log
+    /// alone (docs/audit.md).
+    Explain {
+        /// The session's UUID.
+        session: String,
+        /// The deferred tool.
+        tool: String,
+        /// Answer as of this seq instead of the latest.
+        #[arg(long, conflicts_with = "at_prompt")]
+        at_seq: Option<i64>,
+        /// Answer for the request of the K-th prompt (1-based).
+        #[arg(long)]
+        at_prompt: Option<i64>,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// For every refresh point, the activation set after it and what was
+    /// added and removed (with the reason), from the log alone.
+    Refreshes {
+        /// The session's UUID.
+        session: String,
+        /// Print JSON lines, one refresh point each.
+        #[arg(long)]
+        json: bool,
+    },
     /// Print the global feed of every session's events in position order.
     Tail {
         /// Start at this position (1, the beginning, by default).
@@ -218,7 +245,10 @@ fn store_exit_code(e: &Error) -> i32 {
         Error::RetriesExhausted { last, .. } => store_exit_code(last),
         Error::Unavailable(_) | Error::Database(_) | Error::Corrupt(_) => 4,
         Error::BadUrl(_) => 2,
-        Error::Invalid(_) | Error::SessionNotFound(_) | Error::SeqOutOfRange { .. } => 1,
+        Error::Invalid(_)
+        | Error::SessionNotFound(_)
+        | Error::SeqOutOfRange { .. }
+        | Error::PromptOutOfRange { .. } => 1,
     }
 }
 
@@ -492,6 +522,55 @@ async fn run_on(
                 }
             }
         }
+        Command::Explain {
+            session,
+            tool,
+            at_seq,
+            at_prompt,
+            json,
+        } => {
+            if tool.is_empty() {
+                return Err(CliError::Input("the tool name is empty".to_owned()));
+            }
+            let at = match (at_seq, at_prompt) {
+                (Some(n), _) => At::Seq(n),
+                (None, Some(k)) => At::Prompt(k),
+                (None, None) => At::Latest,
+            };
+            let x = store.explain(parse_session(&session)?, &tool, at).await?;
+            if json {
+                print_json(out, &x)?;
+            } else {
+                print_explanation(&x, out).map_err(io)?;
+            }
+        }
+        Command::Refreshes { session, json } => {
+            let session = parse_session(&session)?;
+            if !json {
+                writeln!(
+                    out,
+                    "{:>6}  {:<17}  {:>6}  {:<12}  TOOLS / CHANGES",
+                    "SEQ", "TYPE", "PROMPT", "MODE"
+                )
+                .map_err(io)?;
+            }
+            let mut failed = None;
+            store
+                .refreshes(session, At::Latest, |r| {
+                    let written = if json {
+                        print_json(out, &r)
+                    } else {
+                        print_refresh(&r, out).map_err(io)
+                    };
+                    written.map_err(|e| {
+                        let message = e.to_string();
+                        failed = Some(e);
+                        Error::Unavailable(message)
+                    })
+                })
+                .await
+                .map_err(|e| failed.take().unwrap_or(CliError::Store(e)))?;
+        }
         Command::Verify {
             session,
             integrity,
@@ -643,6 +722,65 @@ async fn run_on(
         }
     }
     Ok(())
+}
+
+fn print_explanation(x: &Explanation, out: &mut dyn Write) -> std::io::Result<()> {
+    writeln!(out, "{}", x.why)?;
+    writeln!(
+        out,
+        "as of seq {} (prompt {}), mode {}",
+        x.as_of_seq, x.as_of_prompt, x.mode
+    )?;
+    match &x.catalog {
+        Some(c) => writeln!(
+            out,
+            "catalog of mode {}: catalog_defined at seq {} ({})",
+            c.mode, c.seq, c.event_id
+        )?,
+        None => writeln!(out, "mode {} has no catalog", x.mode)?,
+    }
+    if let Some(e) = &x.evidence {
+        writeln!(
+            out,
+            "evidence: {} result of call {} at seq {} ({})",
+            e.result_tool, e.call_id, e.seq, e.event_id
+        )?;
+    }
+    if let Some(Reason::OnlyUnsuccessful { results, .. }) = &x.reason {
+        for r in results {
+            writeln!(
+                out,
+                "  {} {} result of call {} at seq {} ({})",
+                r.status.as_str(),
+                r.result_tool,
+                r.call_id,
+                r.seq,
+                r.event_id
+            )?;
+        }
+    }
+    Ok(())
+}
+
+fn print_refresh(r: &Refresh, out: &mut dyn Write) -> std::io::Result<()> {
+    let tools: Vec<&str> = r.tools.iter().map(|a| a.name.as_str()).collect();
+    let mut changes: Vec<String> = r.added.iter().map(|n| format!("+{n}")).collect();
+    changes.extend(
+        r.removed
+            .iter()
+            .map(|x| format!("-{} ({})", x.name, reason_text(&x.reason))),
+    );
+    writeln!(
+        out,
+        "{:>6}  {:<17}  {:>6}  {:<12}  [{}]{}{}",
+        r.seq,
+        r.kind,
+        r.prompt,
+        r.mode,
+        tools.join(", "),
+        if changes.is_empty() { "" } else { "  " },
+        changes.join("  ")
+    )
 }
 
 /// "1 event", "2 events".

@@ -13,6 +13,7 @@
 //! rules, pure), [`projector`] (the fold, pure), [`store`] (both backends,
 //! one API), [`cli`] (the binary's commands).
 
+pub mod audit;
 pub mod cli;
 pub mod error;
 pub mod event;

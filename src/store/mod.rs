@@ -18,6 +18,7 @@
 //! appending to a long session does not re-read its history.
 
 mod chain;
+mod explain;
 mod postgres;
 mod sqlite;
 mod subscribe;
