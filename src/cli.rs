@@ -15,6 +15,7 @@ use crate::audit::{reason_text, At, Explanation, Reason, Refresh};
 use crate::error::{Error, Rule, ValidationError};
 use crate::event::{parse_line, EventBody, LineKind, NewEvent, ParsedLine};
 use crate::projector::{Activations, Context};
+use crate::store::query::{AnomalyKind, AnomalyQuery, ChangeQuery, EventQuery, Scope};
 use crate::store::{RetryPolicy, Store, StoreOptions};
 use crate::validate::DEFAULT_MAX_EVENT_BYTES;
 
@@ -145,6 +146,9 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Cross-session audit queries (docs/audit.md), paged.
+    #[command(subcommand)]
+    Audit(AuditCommand),
     /// Print the global feed of every session's events in position order.
     Tail {
         /// Start at this position (1, the beginning, by default).
@@ -175,6 +179,93 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// The `audit` queries.
+#[derive(Debug, Subcommand)]
+pub enum AuditCommand {
+    /// Events across sessions in global order, by type, session, time and
+    /// position range.
+    Events {
+        /// Only events of this type.
+        #[arg(long = "type")]
+        event_type: Option<String>,
+        /// Only events at this position or later.
+        #[arg(long)]
+        from_position: Option<i64>,
+        /// Only events at this position or earlier.
+        #[arg(long)]
+        to_position: Option<i64>,
+        /// The narrowing every audit query takes.
+        #[command(flatten)]
+        scope: ScopeArgs,
+    },
+    /// Refresh points where a deferred tool entered or left a session's
+    /// activation set.
+    Changes {
+        /// Only this tool.
+        #[arg(long)]
+        tool: Option<String>,
+        /// Only `added` or only `removed`.
+        #[arg(long)]
+        change: Option<String>,
+        /// The narrowing every audit query takes.
+        #[command(flatten)]
+        scope: ScopeArgs,
+    },
+    /// Anomalies of one kind: unanswered-call, unknown-evidence-name or
+    /// view-drift.
+    Anomalies {
+        /// unanswered-call, unknown-evidence-name or view-drift.
+        kind: String,
+        /// The narrowing every audit query takes.
+        #[command(flatten)]
+        scope: ScopeArgs,
+    },
+}
+
+/// Flags shared by the `audit` queries.
+#[derive(Debug, clap::Args)]
+pub struct ScopeArgs {
+    /// Only this tenant's sessions (every tenant without it).
+    #[arg(long)]
+    pub tenant: Option<String>,
+    /// Only this session.
+    #[arg(long)]
+    pub session: Option<String>,
+    /// Only rows recorded at or after this time (RFC 3339).
+    #[arg(long, value_parser = parse_time)]
+    pub since: Option<chrono::DateTime<chrono::Utc>>,
+    /// Only rows recorded before this time (RFC 3339).
+    #[arg(long, value_parser = parse_time)]
+    pub until: Option<chrono::DateTime<chrono::Utc>>,
+    /// Rows per page.
+    #[arg(long, default_value_t = 100)]
+    pub limit: i64,
+    /// The cursor a previous page printed as `next`.
+    #[arg(long)]
+    pub after: Option<String>,
+    /// Print the page as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_time(s: &str) -> Result<chrono::DateTime<chrono::Utc>, String> {
+    chrono::DateTime::parse_from_rfc3339(s)
+        .map(|t| t.with_timezone(&chrono::Utc))
+        .map_err(|e| format!("{s:?} is not an RFC 3339 time such as 2026-12-01T00:00:00Z: {e}"))
+}
+
+impl ScopeArgs {
+    fn scope(&self) -> Result<Scope, CliError> {
+        Ok(Scope {
+            tenant: self.tenant.clone(),
+            session: self.session.as_deref().map(parse_session).transpose()?,
+            since: self.since,
+            until: self.until,
+            limit: self.limit,
+        })
+    }
 }
 
 /// Flags of `serve`.
@@ -571,6 +662,7 @@ async fn run_on(
                 .await
                 .map_err(|e| failed.take().unwrap_or(CliError::Store(e)))?;
         }
+        Command::Audit(query) => audit(store, query, out).await?,
         Command::Verify {
             session,
             integrity,
@@ -722,6 +814,127 @@ async fn run_on(
         }
     }
     Ok(())
+}
+
+async fn audit(store: &Store, query: AuditCommand, out: &mut dyn Write) -> Result<(), CliError> {
+    match query {
+        AuditCommand::Events {
+            event_type,
+            from_position,
+            to_position,
+            scope,
+        } => {
+            let after_position = match &scope.after {
+                None => 0,
+                Some(a) => a
+                    .parse()
+                    .map_err(|_| CliError::Input(format!("--after {a:?} is not a position")))?,
+            };
+            let page = store
+                .audit_events(&EventQuery {
+                    scope: scope.scope()?,
+                    event_type,
+                    from_position,
+                    to_position,
+                    after_position,
+                })
+                .await?;
+            if scope.json {
+                return print_json(out, &page);
+            }
+            writeln!(
+                out,
+                "{:>9}  {:<36}  {:>6}  {:<20}  {:<27}  DETAIL",
+                "POSITION", "SESSION", "SEQ", "TYPE", "RECORDED AT"
+            )
+            .map_err(io)?;
+            for e in &page.events {
+                writeln!(
+                    out,
+                    "{:>9}  {:<36}  {:>6}  {:<20}  {:<27}  {}",
+                    e.position,
+                    e.session_id,
+                    e.seq,
+                    e.body.type_name(),
+                    e.recorded_at
+                        .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+                    detail(&e.body)
+                )
+                .map_err(io)?;
+            }
+            print_next(out, page.next_after_position.map(|p| p.to_string()))
+        }
+        AuditCommand::Changes {
+            tool,
+            change,
+            scope,
+        } => {
+            let page = store
+                .audit_changes(&ChangeQuery {
+                    scope: scope.scope()?,
+                    tool,
+                    change,
+                    after: scope.after.clone(),
+                })
+                .await?;
+            if scope.json {
+                return print_json(out, &page);
+            }
+            writeln!(
+                out,
+                "{:>9}  {:<36}  {:>6}  {:<27}  {:<8}  TOOL",
+                "POSITION", "SESSION", "SEQ", "RECORDED AT", "CHANGE"
+            )
+            .map_err(io)?;
+            for c in &page.changes {
+                writeln!(
+                    out,
+                    "{:>9}  {:<36}  {:>6}  {:<27}  {:<8}  {}",
+                    c.position,
+                    c.session_id,
+                    c.seq,
+                    c.recorded_at
+                        .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+                    c.change,
+                    c.tool
+                )
+                .map_err(io)?;
+            }
+            print_next(out, page.next)
+        }
+        AuditCommand::Anomalies { kind, scope } => {
+            let kind = AnomalyKind::parse(&kind).ok_or_else(|| {
+                CliError::Input(format!(
+                    "unknown anomaly {kind:?}: expected unanswered-call, unknown-evidence-name or view-drift"
+                ))
+            })?;
+            let page = store
+                .audit_anomalies(&AnomalyQuery {
+                    scope: scope.scope()?,
+                    kind,
+                    after: scope.after.clone(),
+                })
+                .await?;
+            if scope.json {
+                return print_json(out, &page);
+            }
+            for a in &page.anomalies {
+                writeln!(out, "{}  {}", a.session_id, a.detail).map_err(io)?;
+            }
+            if page.anomalies.is_empty() {
+                writeln!(out, "none found on this page").map_err(io)?;
+            }
+            print_next(out, page.next)
+        }
+    }
+}
+
+fn print_next(out: &mut dyn Write, next: Option<String>) -> Result<(), CliError> {
+    match next {
+        Some(n) => writeln!(out, "next page: --after {n}"),
+        None => writeln!(out, "end of results"),
+    }
+    .map_err(io)
 }
 
 fn print_explanation(x: &Explanation, out: &mut dyn Write) -> std::io::Result<()> {

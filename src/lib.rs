@@ -30,6 +30,6 @@ pub use error::{Error, Result, Rule, ValidationError};
 pub use event::{EventBody, NewEvent, StoredEvent, ToolStatus};
 pub use projector::{Activation, Activations, Context, ContextRow, SessionState, View};
 pub use store::{
-    AppendOutcome, Appended, BackendKind, Recovery, RetryPolicy, Store, StoreOptions, Subscription,
-    DEFAULT_TENANT,
+    AppendOutcome, Appended, BackendKind, ChangeRow, Recovery, RetryPolicy, Store, StoreOptions,
+    Subscription, DEFAULT_TENANT,
 };
