@@ -170,6 +170,19 @@ impl PgBackend {
         Ok(rows.into_iter().map(decode_change).collect())
     }
 
+    /// The `EXPLAIN` lines of a query.
+    pub(crate) async fn fetch_plan(
+        &self,
+        mut q: sqlx::QueryBuilder<'static, Postgres>,
+    ) -> Result<Vec<String>> {
+        let rows: Vec<(String,)> = q
+            .build_query_as()
+            .fetch_all(&self.pool)
+            .await
+            .map_err(Error::from_sqlx)?;
+        Ok(rows.into_iter().map(|r| r.0).collect())
+    }
+
     /// Runs an audit query that selects session ids.
     pub(crate) async fn fetch_sessions(
         &self,

@@ -248,12 +248,12 @@ impl Scope {
 const EVENT_COLUMNS: &str =
     "SELECT e.position, e.session_id, e.seq, e.event_id, e.payload, e.recorded_at FROM events e";
 
-fn events_sql<'a, DB: Dialect>(q: &EventQuery) -> QueryBuilder<'a, DB>
+fn events_sql<'a, DB: Dialect>(prefix: &str, q: &EventQuery) -> QueryBuilder<'a, DB>
 where
     for<'b> String: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
     for<'b> i64: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
 {
-    let mut b = QueryBuilder::new(EVENT_COLUMNS);
+    let mut b = QueryBuilder::new(format!("{prefix}{EVENT_COLUMNS}"));
     b.push(" WHERE e.position > ");
     b.push_bind(q.after_position);
     if let Some(t) = &q.event_type {
@@ -275,6 +275,7 @@ where
 }
 
 fn changes_sql<'a, DB: Dialect>(
+    prefix: &str,
     q: &ChangeQuery,
     after: Option<(i64, String)>,
 ) -> QueryBuilder<'a, DB>
@@ -282,10 +283,10 @@ where
     for<'b> String: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
     for<'b> i64: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
 {
-    let mut b = QueryBuilder::new(
-        "SELECT c.position, c.tool, c.session_id, c.seq, c.recorded_at, c.change, c.evidence_seq \
-         FROM activation_changes c WHERE 1 = 1",
-    );
+    let mut b = QueryBuilder::new(format!(
+        "{prefix}SELECT c.position, c.tool, c.session_id, c.seq, c.recorded_at, c.change, c.evidence_seq \
+         FROM activation_changes c WHERE 1 = 1"
+    ));
     if let Some((position, tool)) = after {
         b.push(" AND (c.position > ");
         b.push_bind(position);
@@ -311,12 +312,12 @@ where
 
 /// Unanswered calls: the `tool_call` events whose calls index row has no
 /// result, read through the partial index `calls_unanswered`.
-fn unanswered_sql<'a, DB: Dialect>(scope: &Scope, after: i64) -> QueryBuilder<'a, DB>
+fn unanswered_sql<'a, DB: Dialect>(prefix: &str, scope: &Scope, after: i64) -> QueryBuilder<'a, DB>
 where
     for<'b> String: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
     for<'b> i64: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
 {
-    let mut b = QueryBuilder::new(EVENT_COLUMNS);
+    let mut b = QueryBuilder::new(format!("{prefix}{EVENT_COLUMNS}"));
     b.push(
         " JOIN calls c ON c.session_id = e.session_id AND c.call_seq = e.seq \
          WHERE c.result_seq IS NULL AND e.position > ",
@@ -329,12 +330,16 @@ where
 }
 
 /// Successful results that carry `added_tool_names`, in position order.
-fn named_results_sql<'a, DB: Dialect>(scope: &Scope, after: i64) -> QueryBuilder<'a, DB>
+fn named_results_sql<'a, DB: Dialect>(
+    prefix: &str,
+    scope: &Scope,
+    after: i64,
+) -> QueryBuilder<'a, DB>
 where
     for<'b> String: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
     for<'b> i64: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
 {
-    let mut b = QueryBuilder::new(EVENT_COLUMNS);
+    let mut b = QueryBuilder::new(format!("{prefix}{EVENT_COLUMNS}"));
     b.push(" WHERE e.type = 'tool_result' AND e.position > ");
     b.push_bind(after);
     // The stored text leaves absent fields out, so this skips results
@@ -347,11 +352,11 @@ where
 }
 
 /// The session's `catalog_defined` events.
-fn catalogs_sql<'a, DB: Dialect>(session: Uuid) -> QueryBuilder<'a, DB>
+fn catalogs_sql<'a, DB: Dialect>(prefix: &str, session: Uuid) -> QueryBuilder<'a, DB>
 where
     for<'b> String: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
 {
-    let mut b = QueryBuilder::new(EVENT_COLUMNS);
+    let mut b = QueryBuilder::new(format!("{prefix}{EVENT_COLUMNS}"));
     b.push(" WHERE e.session_id = ");
     DB::push_uuid(&mut b, session);
     b.push(" AND e.type = 'catalog_defined' ORDER BY e.seq");
@@ -359,14 +364,20 @@ where
 }
 
 /// Session ids after a cursor, in id order, with the scope's tenant.
-fn sessions_sql<'a, DB: Dialect>(scope: &Scope, after: Option<Uuid>) -> QueryBuilder<'a, DB>
+fn sessions_sql<'a, DB: Dialect>(
+    prefix: &str,
+    scope: &Scope,
+    after: Option<Uuid>,
+) -> QueryBuilder<'a, DB>
 where
     for<'b> String: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
     for<'b> i64: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
 {
     // Each session's first event, found through the (session_id, seq)
     // index; sessions and their owners are few next to events.
-    let mut b = QueryBuilder::new("SELECT e.session_id FROM events e WHERE e.seq = 1");
+    let mut b = QueryBuilder::new(format!(
+        "{prefix}SELECT e.session_id FROM events e WHERE e.seq = 1"
+    ));
     if let Some(a) = after {
         b.push(" AND e.session_id > ");
         DB::push_uuid(&mut b, a);
@@ -417,7 +428,7 @@ impl Store {
             }
         }
         let events = self
-            .fetch_events(self.sql(|| events_sql(q), || events_sql(q)))
+            .fetch_events(self.sql(|| events_sql("", q), || events_sql("", q)))
             .await?;
         let next = (events.len() as i64 == q.scope.limit)
             .then(|| events.last().map(|e| e.position))
@@ -454,8 +465,8 @@ impl Store {
             ),
         };
         let changes = match &self.backend {
-            Backend::Sqlite(b) => b.fetch_changes(changes_sql(q, after)).await?,
-            Backend::Postgres(b) => b.fetch_changes(changes_sql(q, after)).await?,
+            Backend::Sqlite(b) => b.fetch_changes(changes_sql("", q, after.clone())).await?,
+            Backend::Postgres(b) => b.fetch_changes(changes_sql("", q, after.clone())).await?,
         };
         let next = (changes.len() as i64 == q.scope.limit)
             .then(|| changes.last().map(|c| format!("{}:{}", c.position, c.tool)))
@@ -477,8 +488,8 @@ impl Store {
         let after = position_cursor(q.after.as_deref())?;
         let calls = self
             .fetch_events(self.sql(
-                || unanswered_sql(&q.scope, after),
-                || unanswered_sql(&q.scope, after),
+                || unanswered_sql("", &q.scope, after),
+                || unanswered_sql("", &q.scope, after),
             ))
             .await?;
         let next = (calls.len() as i64 == q.scope.limit)
@@ -515,8 +526,8 @@ impl Store {
         let mut anomalies = Vec::new();
         let results = self
             .fetch_events(self.sql(
-                || named_results_sql(&q.scope, after),
-                || named_results_sql(&q.scope, after),
+                || named_results_sql("", &q.scope, after),
+                || named_results_sql("", &q.scope, after),
             ))
             .await?;
         let mut done = (results.len() as i64) < NAME_SCAN;
@@ -532,9 +543,10 @@ impl Store {
             };
             if let Entry::Vacant(slot) = catalogs.entry(e.session_id) {
                 let defs = self
-                    .fetch_events(
-                        self.sql(|| catalogs_sql(e.session_id), || catalogs_sql(e.session_id)),
-                    )
+                    .fetch_events(self.sql(
+                        || catalogs_sql("", e.session_id),
+                        || catalogs_sql("", e.session_id),
+                    ))
                     .await?;
                 let known = defs
                     .iter()
@@ -591,8 +603,8 @@ impl Store {
             })?),
         };
         let sessions = match &self.backend {
-            Backend::Sqlite(b) => b.fetch_sessions(sessions_sql(&q.scope, after)).await?,
-            Backend::Postgres(b) => b.fetch_sessions(sessions_sql(&q.scope, after)).await?,
+            Backend::Sqlite(b) => b.fetch_sessions(sessions_sql("", &q.scope, after)).await?,
+            Backend::Postgres(b) => b.fetch_sessions(sessions_sql("", &q.scope, after)).await?,
         };
         let mut anomalies = Vec::new();
         for s in &sessions {
@@ -626,6 +638,53 @@ fn position_cursor(after: Option<&str>) -> Result<i64> {
                 format!("{c:?} is not a cursor of this query (a position)"),
             )
         }),
+    }
+}
+
+/// An audit query whose plan [`Store::audit_plan`] shows (docs/audit.md).
+#[derive(Clone, Debug)]
+pub enum PlanOf<'a> {
+    /// `audit events`.
+    Events(&'a EventQuery),
+    /// `audit changes`.
+    Changes(&'a ChangeQuery),
+    /// `audit anomalies unanswered-call`.
+    UnansweredCalls(&'a Scope),
+    /// The scan of `audit anomalies unknown-evidence-name`.
+    NamedResults(&'a Scope),
+    /// Its per-session catalog lookup.
+    Catalogs(Uuid),
+    /// The session list of `audit anomalies view-drift`.
+    Sessions(&'a Scope),
+}
+
+impl Store {
+    /// The database's plan of one audit query, executed: PostgreSQL's
+    /// `EXPLAIN (ANALYZE, BUFFERS)`, SQLite's `EXPLAIN QUERY PLAN`. For
+    /// docs/audit.md and for operators checking an index is used.
+    pub async fn audit_plan(&self, of: PlanOf<'_>) -> Result<String> {
+        fn build<DB: Dialect>(prefix: &str, of: &PlanOf<'_>) -> QueryBuilder<'static, DB>
+        where
+            for<'b> String: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
+            for<'b> i64: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
+        {
+            match of {
+                PlanOf::Events(q) => events_sql(prefix, q),
+                PlanOf::Changes(q) => changes_sql(prefix, q, None),
+                PlanOf::UnansweredCalls(s) => unanswered_sql(prefix, s, 0),
+                PlanOf::NamedResults(s) => named_results_sql(prefix, s, 0),
+                PlanOf::Catalogs(id) => catalogs_sql(prefix, *id),
+                PlanOf::Sessions(s) => sessions_sql(prefix, s, None),
+            }
+        }
+        let lines = match &self.backend {
+            Backend::Sqlite(b) => b.fetch_plan(build("EXPLAIN QUERY PLAN ", &of)).await?,
+            Backend::Postgres(b) => {
+                b.fetch_plan(build("EXPLAIN (ANALYZE, BUFFERS) ", &of))
+                    .await?
+            }
+        };
+        Ok(lines.join("\n"))
     }
 }
 

@@ -197,6 +197,19 @@ impl SqliteBackend {
         rows.into_iter().map(decode_change).collect()
     }
 
+    /// The `EXPLAIN QUERY PLAN` rows of a query, one line each.
+    pub(crate) async fn fetch_plan(
+        &self,
+        mut q: QueryBuilder<'static, Sqlite>,
+    ) -> Result<Vec<String>> {
+        let rows: Vec<(i64, i64, i64, String)> = q
+            .build_query_as()
+            .fetch_all(&self.pool)
+            .await
+            .map_err(Error::from_sqlx)?;
+        Ok(rows.into_iter().map(|r| r.3).collect())
+    }
+
     /// Runs an audit query that selects session ids.
     pub(crate) async fn fetch_sessions(
         &self,
