@@ -409,7 +409,8 @@ async fn run_on(
             let summary = import_pi(store, &session).await?;
             let dropped = match session.off_path {
                 0 => String::new(),
-                n => format!("; {} on other branches dropped", count(n, "pi entry")),
+                1 => "; 1 pi entry on another branch dropped".to_owned(),
+                n => format!("; {n} pi entries on other branches dropped"),
             };
             writeln!(
                 out,
@@ -944,10 +945,10 @@ pub async fn import_pi(
         Error::Invalid(mut v) => match v.index.take().and_then(|i| rest.get(i)) {
             Some(at) => CliError::Pi(crate::pi::PiError {
                 line: at.line,
-                field: v.field.clone(),
+                field: v.field.as_deref().map(|f| pi_field(f, &at.event.body)),
                 message: match &at.entry_id {
-                    Some(entry) => format!("pi entry {entry:?}: {v}"),
-                    None => format!("the session header: {v}"),
+                    Some(entry) => format!("pi entry {entry:?}: {} (rule {})", v.message, v.rule),
+                    None => format!("the session header: {} (rule {})", v.message, v.rule),
                 },
             }),
             None => Error::Invalid(v).into(),
@@ -961,6 +962,23 @@ pub async fn import_pi(
     }
     info!(session = %id, written = summary.written, replayed = summary.replayed, "pi import done");
     Ok(summary)
+}
+
+/// The pi field that a store field of `body` was made from.
+fn pi_field(store_field: &str, body: &EventBody) -> String {
+    let pi = match (store_field, body) {
+        ("first_kept_event_id", _) => "firstKeptEntryId",
+        ("tokens_before", _) => "tokensBefore",
+        ("summary", _) => "summary",
+        ("call_id", EventBody::ToolCall { .. }) => "message.content[].id",
+        ("tool_name", EventBody::ToolCall { .. }) => "message.content[].name",
+        ("call_id", EventBody::ToolResult { .. }) => "message.toolCallId",
+        ("tool_name", EventBody::ToolResult { .. }) => "message.toolName",
+        ("added_tool_names" | "deferred_tools", _) => "message.details.addedToolNames",
+        ("text", _) => "message.content",
+        _ => return store_field.to_owned(),
+    };
+    pi.to_owned()
 }
 
 fn clip(s: &str, n: usize) -> String {
