@@ -1010,3 +1010,281 @@ fn shown(v: &Value) -> String {
         text
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The mapping of docs/pi-import.md, on small files written inline.
+
+    use super::*;
+
+    const HEADER: &str = r#"{"type":"session","version":3,"id":"s-1","timestamp":"2025-01-01T00:00:00Z","cwd":"/p"}"#;
+
+    fn lines(text: &[&str]) -> Vec<(usize, String)> {
+        text.iter()
+            .enumerate()
+            .map(|(i, l)| (i + 1, (*l).to_owned()))
+            .collect()
+    }
+
+    fn convert_ok(text: &[&str]) -> PiSession {
+        convert(&lines(text)).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn bodies(s: &PiSession) -> Vec<EventBody> {
+        s.events.iter().map(|e| e.event.body.clone()).collect()
+    }
+
+    fn err(text: &[&str]) -> PiError {
+        convert(&lines(text)).expect_err("should be rejected")
+    }
+
+    fn user(id: &str, parent: Option<&str>, text: &str) -> String {
+        let parent = parent.map_or("null".to_owned(), |p| format!("{p:?}"));
+        format!(
+            r#"{{"type":"message","id":"{id}","parentId":{parent},"timestamp":"2025-01-01T00:00:01Z","message":{{"role":"user","content":"{text}"}}}}"#
+        )
+    }
+
+    #[test]
+    fn ids_are_derived_so_a_second_conversion_is_identical() {
+        let u = user("e1", None, "hi");
+        let a = convert_ok(&[HEADER, &u]);
+        let b = convert_ok(&[HEADER, &u]);
+        assert_eq!(a, b);
+        assert_eq!(a.session_id, uuid_v5(NAMESPACE, "s-1"));
+        assert_eq!(a.session_id.get_version_num(), 5);
+        assert_eq!(
+            a.events[1].event.event_id,
+            Some(uuid_v5(a.session_id, "e1#0"))
+        );
+        // A UUID pi id is the session id itself.
+        let h = r#"{"type":"session","version":3,"id":"0b6a3f1e-6c1d-4e8a-9f2b-1a2b3c4d5e01"}"#;
+        assert_eq!(
+            convert_ok(&[h]).session_id.to_string(),
+            "0b6a3f1e-6c1d-4e8a-9f2b-1a2b3c4d5e01"
+        );
+    }
+
+    #[test]
+    fn uuid_v5_matches_the_rfc_example() {
+        // RFC 9562 appendix A.4: "www.example.com" in the DNS namespace.
+        let dns = Uuid::parse_str("6ba7b810-9dad-11d1-80b4-00c04fd430c8").unwrap();
+        assert_eq!(
+            uuid_v5(dns, "www.example.com").to_string(),
+            "2ed6657d-e927-568b-95e1-2665a8aea6a2"
+        );
+    }
+
+    #[test]
+    fn assistant_text_blocks_merge_around_tool_calls_and_thinking_is_dropped() {
+        let u = user("e1", None, "go");
+        let a = r#"{"type":"message","id":"e2","parentId":"e1","message":{"role":"assistant","content":[{"type":"text","text":"a"},{"type":"thinking","thinking":"hm"},{"type":"text","text":"b"},{"type":"toolCall","id":"c1","name":"read","arguments":{"path":"x"}},{"type":"text","text":"c"}]}}"#;
+        let s = convert_ok(&[HEADER, &u, a]);
+        let b = bodies(&s);
+        assert_eq!(
+            b[2],
+            EventBody::AssistantMessage {
+                text: "a\nb".into()
+            }
+        );
+        assert!(matches!(&b[3], EventBody::ToolCall { call_id, .. } if call_id == "c1"));
+        assert_eq!(b[4], EventBody::AssistantMessage { text: "c".into() });
+        // Each event of one entry has its own id.
+        let ids: BTreeSet<_> = s.events.iter().map(|e| e.event.event_id).collect();
+        assert_eq!(ids.len(), s.events.len());
+    }
+
+    #[test]
+    fn added_tool_names_may_sit_in_details_or_on_the_message() {
+        let u = user("e1", None, "go");
+        let a = r#"{"type":"message","id":"e2","parentId":"e1","message":{"role":"assistant","content":[{"type":"toolCall","id":"c1","name":"ToolSearch","arguments":{}}]}}"#;
+        let r = r#"{"type":"message","id":"e3","parentId":"e2","message":{"role":"toolResult","toolCallId":"c1","toolName":"ToolSearch","content":[],"isError":false,"details":{"addedToolNames":["b","a"]},"addedToolNames":["a","c"]}}"#;
+        let b = bodies(&convert_ok(&[HEADER, &u, a, r]));
+        assert_eq!(
+            b[3],
+            EventBody::CatalogDefined {
+                mode: MODE.into(),
+                deferred_tools: vec!["a".into(), "b".into(), "c".into()],
+            }
+        );
+        assert!(matches!(&b[4], EventBody::ToolResult {
+            status: ToolStatus::Success,
+            added_tool_names: Some(n), ..
+        } if n == &["b", "a", "c"]));
+    }
+
+    #[test]
+    fn user_side_entries_become_prompts_and_bookkeeping_entries_nothing() {
+        let u = user("e1", None, "go");
+        let rest = [
+            r#"{"type":"message","id":"e2","parentId":"e1","message":{"role":"bashExecution","command":"ls","output":"a.txt","exitCode":2,"cancelled":false,"truncated":false}}"#,
+            r#"{"type":"message","id":"e3","parentId":"e2","message":{"role":"bashExecution","command":"secret","output":"x","exitCode":0,"excludeFromContext":true}}"#,
+            r#"{"type":"custom_message","id":"e4","parentId":"e3","customType":"ext","content":[{"type":"text","text":"injected"},{"type":"image","data":"AA==","mimeType":"image/png"}],"display":false}"#,
+            r#"{"type":"custom","id":"e5","parentId":"e4","customType":"ext","data":{"n":1}}"#,
+            r#"{"type":"session_info","id":"e6","parentId":"e5","name":"demo"}"#,
+            r#"{"type":"model_change","id":"e7","parentId":"e6","provider":"openai","modelId":"gpt-4o"}"#,
+            r#"{"type":"some_future_entry","id":"e8","parentId":"e7"}"#,
+        ];
+        let mut file = vec![HEADER, u.as_str()];
+        file.extend(rest);
+        let b = bodies(&convert_ok(&file));
+        assert_eq!(b.len(), 4, "{b:?}");
+        assert_eq!(
+            b[2],
+            EventBody::PromptSubmitted {
+                text: "Ran `ls`\n```\na.txt\n```\nCommand exited with code 2".into()
+            }
+        );
+        assert_eq!(
+            b[3],
+            EventBody::PromptSubmitted {
+                text: "injected\n[image: image/png]".into()
+            }
+        );
+    }
+
+    #[test]
+    fn a_version_1_file_is_linear_and_counts_kept_entries_by_index() {
+        let h =
+            r#"{"type":"session","id":"old","timestamp":"2024-12-03T14:00:00.000Z","cwd":"/p"}"#;
+        let file = [
+            h,
+            r#"{"type":"message","timestamp":"2024-12-03T14:00:01.000Z","message":{"role":"user","content":"one"}}"#,
+            r#"{"type":"message","timestamp":"2024-12-03T14:00:02.000Z","message":{"role":"assistant","content":[{"type":"text","text":"two"}]}}"#,
+            r#"{"type":"message","timestamp":"2024-12-03T14:00:03.000Z","message":{"role":"user","content":"three"}}"#,
+            r#"{"type":"compaction","timestamp":"2024-12-03T14:00:04.000Z","summary":"s","firstKeptEntryIndex":3,"tokensBefore":5}"#,
+        ];
+        let s = convert_ok(&file);
+        let b = bodies(&s);
+        assert_eq!(b.len(), 5);
+        let EventBody::Compaction {
+            first_kept_event_id,
+            ..
+        } = &b[4]
+        else {
+            panic!("{b:?}")
+        };
+        assert_eq!(*first_kept_event_id, s.events[3].event.event_id);
+    }
+
+    #[test]
+    fn a_first_kept_entry_that_makes_no_row_keeps_from_the_next_row() {
+        let u = user("e1", None, "one");
+        let file = [
+            HEADER,
+            &u,
+            r#"{"type":"model_change","id":"e2","parentId":"e1","provider":"x","modelId":"y"}"#,
+            &user("e3", Some("e2"), "two"),
+            r#"{"type":"compaction","id":"e4","parentId":"e3","summary":"s","firstKeptEntryId":"e2","tokensBefore":1}"#,
+        ];
+        let s = convert_ok(&file);
+        let EventBody::Compaction {
+            first_kept_event_id,
+            ..
+        } = &s.events[3].event.body
+        else {
+            panic!()
+        };
+        assert_eq!(*first_kept_event_id, s.events[2].event.event_id);
+        // Nothing between the kept entry and the compaction: keep none.
+        let file = [
+            HEADER,
+            &u,
+            r#"{"type":"model_change","id":"e2","parentId":"e1","provider":"x","modelId":"y"}"#,
+            r#"{"type":"compaction","id":"e4","parentId":"e2","summary":"s","firstKeptEntryId":"e2"}"#,
+        ];
+        let s = convert_ok(&file);
+        assert!(matches!(
+            s.events[2].event.body,
+            EventBody::Compaction {
+                first_kept_event_id: None,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn the_path_to_the_last_entry_is_the_session() {
+        let file = [
+            HEADER,
+            &user("e1", None, "root"),
+            &user("e2", Some("e1"), "left"),
+            &user("e3", Some("e1"), "right"),
+        ];
+        let s = convert_ok(&file);
+        assert_eq!(s.off_path, 1);
+        assert_eq!(
+            bodies(&s)[1..],
+            [
+                EventBody::PromptSubmitted {
+                    text: "root".into()
+                },
+                EventBody::PromptSubmitted {
+                    text: "right".into()
+                }
+            ]
+        );
+    }
+
+    #[test]
+    fn bad_input_names_line_and_field() {
+        assert_eq!(err(&[]).line, 1);
+        let e = err(&[HEADER, HEADER]);
+        assert_eq!((e.line, e.field.as_deref()), (2, Some("type")));
+        let e = err(&[r#"{"type":"session","version":3}"#]);
+        assert_eq!((e.line, e.field.as_deref()), (1, Some("id")));
+        let e = err(&[HEADER, r#"{"type":"message","parentId":null}"#]);
+        assert_eq!((e.line, e.field.as_deref()), (2, Some("id")));
+        let e = err(&[HEADER, &user("e1", None, "x"), &user("e2", Some("e9"), "y")]);
+        assert_eq!((e.line, e.field.as_deref()), (3, Some("parentId")));
+        let e = err(&[
+            HEADER,
+            r#"{"type":"message","id":"e1","parentId":null,"message":{"role":"robot","content":"x"}}"#,
+        ]);
+        assert_eq!((e.line, e.field.as_deref()), (2, Some("message.role")));
+        let e = err(&[
+            HEADER,
+            r#"{"type":"message","id":"e1","parentId":null,"timestamp":"yesterday","message":{"role":"user","content":"x"}}"#,
+        ]);
+        assert_eq!((e.line, e.field.as_deref()), (2, Some("timestamp")));
+        let e = err(&[
+            HEADER,
+            r#"{"type":"message","id":"e1","parentId":null,"message":{"role":"assistant","content":[{"type":"toolCall","id":"c","name":"a","arguments":{}},{"type":"toolCall","id":"c","name":"b","arguments":{}}]}}"#,
+        ]);
+        assert_eq!(
+            (e.line, e.field.as_deref()),
+            (2, Some("message.content[1].id"))
+        );
+        let call = r#"{"type":"message","id":"e1","parentId":null,"message":{"role":"assistant","content":[{"type":"toolCall","id":"c","name":"a","arguments":{}}]}}"#;
+        let wrong_name = r#"{"type":"message","id":"e2","parentId":"e1","message":{"role":"toolResult","toolCallId":"c","toolName":"b","content":[],"isError":false}}"#;
+        let e = err(&[HEADER, call, wrong_name]);
+        assert_eq!((e.line, e.field.as_deref()), (3, Some("message.toolName")));
+        let result = r#"{"type":"message","id":"e2","parentId":"e1","message":{"role":"toolResult","toolCallId":"c","toolName":"a","content":[],"isError":false}}"#;
+        let again = r#"{"type":"message","id":"e3","parentId":"e2","message":{"role":"toolResult","toolCallId":"c","toolName":"a","content":[],"isError":false}}"#;
+        let e = err(&[HEADER, call, result, again]);
+        assert_eq!(
+            (e.line, e.field.as_deref()),
+            (4, Some("message.toolCallId"))
+        );
+        let bad_names = r#"{"type":"message","id":"e2","parentId":"e1","message":{"role":"toolResult","toolCallId":"c","toolName":"a","content":[],"isError":false,"details":{"addedToolNames":["x",3]}}}"#;
+        let e = err(&[HEADER, call, bad_names]);
+        assert_eq!(
+            (e.line, e.field.as_deref()),
+            (3, Some("message.details.addedToolNames[1]"))
+        );
+        // A kept entry on another branch.
+        let e = err(&[
+            HEADER,
+            &user("e1", None, "root"),
+            &user("e2", Some("e1"), "left"),
+            r#"{"type":"compaction","id":"e3","parentId":"e1","summary":"s","firstKeptEntryId":"e2","tokensBefore":1}"#,
+        ]);
+        assert_eq!((e.line, e.field.as_deref()), (4, Some("firstKeptEntryId")));
+        let e = err(&[
+            HEADER,
+            &user("e1", None, "root"),
+            r#"{"type":"compaction","id":"e3","parentId":"e1","summary":"s","firstKeptEntryId":"e1","tokensBefore":1.5}"#,
+        ]);
+        assert_eq!((e.line, e.field.as_deref()), (3, Some("tokensBefore")));
+    }
+}
