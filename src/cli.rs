@@ -49,9 +49,14 @@ pub struct Cli {
 pub enum Command {
     /// Create or upgrade the schema (also done on every open).
     Migrate,
-    /// Append JSON lines (each with session_id), each at its session's head.
+    /// Append JSON lines (each with session_id), each at its session's head;
+    /// or, with `--format pi`, a pi coding agent session file as one session
+    /// (docs/pi-import.md).
     Import {
-        /// The JSON-lines file; standard input without it.
+        /// What the file holds.
+        #[arg(long, value_enum, default_value_t = ImportFormat::Jsonl)]
+        format: ImportFormat,
+        /// The file; standard input without it.
         file: Option<PathBuf>,
     },
     /// Append one atomic batch of JSON lines to SESSION.
@@ -268,6 +273,17 @@ impl ScopeArgs {
     }
 }
 
+/// The formats `import` reads.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum ImportFormat {
+    /// This store's JSON lines (SEMANTICS §9), as `export` writes them.
+    #[default]
+    Jsonl,
+    /// A session file of the pi coding agent: the path to its leaf becomes
+    /// one session.
+    Pi,
+}
+
 /// Flags of `serve`.
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
@@ -308,6 +324,9 @@ pub enum CliError {
         /// What is wrong.
         error: ValidationError,
     },
+    /// Bad input in a pi session file.
+    #[error("{0}")]
+    Pi(#[from] crate::pi::PiError),
     /// Bad input outside any line (a bad argument).
     #[error("{0}")]
     Input(String),
@@ -502,7 +521,31 @@ async fn run_on(
         Command::Migrate => {
             writeln!(out, "migrations applied").map_err(io)?;
         }
-        Command::Import { file } => {
+        Command::Import {
+            format: ImportFormat::Pi,
+            file,
+        } => {
+            let lines = read_lines(file.as_ref())?;
+            let session = crate::pi::convert(&lines)?;
+            let summary = import_pi(store, &session).await?;
+            let dropped = match session.off_path {
+                0 => String::new(),
+                1 => "; 1 pi entry on another branch dropped".to_owned(),
+                n => format!("; {n} pi entries on other branches dropped"),
+            };
+            writeln!(
+                out,
+                "imported {} into session {} ({} already stored{dropped})",
+                count(summary.written, "event"),
+                session.session_id,
+                summary.replayed
+            )
+            .map_err(io)?;
+        }
+        Command::Import {
+            format: ImportFormat::Jsonl,
+            file,
+        } => {
             let lines = read_lines(file.as_ref())?;
             let summary = import(store, &lines, max_bytes).await?;
             writeln!(
@@ -1187,6 +1230,106 @@ async fn append_at_head(
         summary.written += outcome.events.len();
     }
     Ok(())
+}
+
+/// Imports a converted pi file as one atomic batch. A session that already
+/// holds a prefix of it (an earlier import of this file, or of a shorter
+/// version of it) gets only the rest; one that holds anything else is left
+/// alone with an error.
+pub async fn import_pi(
+    store: &Store,
+    session: &crate::pi::PiSession,
+) -> Result<ImportSummary, CliError> {
+    let id = session.session_id;
+    let head = store.head_seq(id).await?;
+    let mut stored = Vec::new();
+    while (stored.len() as i64) < head {
+        let page = store.history(id, stored.len() as i64, 1_000).await?;
+        if page.is_empty() {
+            break;
+        }
+        stored.extend(page);
+    }
+    let different = |seq: i64, what: String| {
+        CliError::Input(format!(
+            "session {id} already holds events this file does not produce (seq {seq}: {what}); \
+             it was imported from another branch or version of the pi file, or written by something else, \
+             and is left unchanged"
+        ))
+    };
+    if stored.len() > session.events.len() {
+        let extra = &stored[session.events.len()];
+        return Err(different(
+            extra.seq,
+            format!(
+                "the session goes on past the file's {} events",
+                session.events.len()
+            ),
+        ));
+    }
+    for (s, p) in stored.iter().zip(&session.events) {
+        if Some(s.event_id) != p.event.event_id || s.body != p.event.body {
+            return Err(different(
+                s.seq,
+                format!(
+                    "stored {} {}, but line {} gives {} {}",
+                    s.body.type_name(),
+                    s.event_id,
+                    p.line,
+                    p.event.body.type_name(),
+                    p.event.event_id.unwrap_or_default()
+                ),
+            ));
+        }
+    }
+    let rest = &session.events[stored.len()..];
+    let mut summary = ImportSummary {
+        written: 0,
+        replayed: stored.len(),
+        sessions: 1,
+    };
+    if rest.is_empty() {
+        return Ok(summary);
+    }
+    let events = rest.iter().map(|e| e.event.clone()).collect();
+    let outcome = store.append(id, head, events).await.map_err(|e| match e {
+        Error::Invalid(mut v) => match v.index.take().and_then(|i| rest.get(i)) {
+            Some(at) => CliError::Pi(crate::pi::PiError {
+                line: at.line,
+                field: v.field.as_deref().map(|f| pi_field(f, &at.event.body)),
+                message: match &at.entry_id {
+                    Some(entry) => format!("pi entry {entry:?}: {} (rule {})", v.message, v.rule),
+                    None => format!("the session header: {} (rule {})", v.message, v.rule),
+                },
+            }),
+            None => Error::Invalid(v).into(),
+        },
+        other => other.into(),
+    })?;
+    if outcome.replayed {
+        summary.replayed += outcome.events.len();
+    } else {
+        summary.written += outcome.events.len();
+    }
+    info!(session = %id, written = summary.written, replayed = summary.replayed, "pi import done");
+    Ok(summary)
+}
+
+/// The pi field that a store field of `body` was made from.
+fn pi_field(store_field: &str, body: &EventBody) -> String {
+    let pi = match (store_field, body) {
+        ("first_kept_event_id", _) => "firstKeptEntryId",
+        ("tokens_before", _) => "tokensBefore",
+        ("summary", _) => "summary",
+        ("call_id", EventBody::ToolCall { .. }) => "message.content[].id",
+        ("tool_name", EventBody::ToolCall { .. }) => "message.content[].name",
+        ("call_id", EventBody::ToolResult { .. }) => "message.toolCallId",
+        ("tool_name", EventBody::ToolResult { .. }) => "message.toolName",
+        ("added_tool_names" | "deferred_tools", _) => "message.details.addedToolNames",
+        ("text", _) => "message.content",
+        _ => return store_field.to_owned(),
+    };
+    pi.to_owned()
 }
 
 fn clip(s: &str, n: usize) -> String {

@@ -11,13 +11,15 @@
 //!
 //! Layout: [`event`] (types, parsed once at the boundary), [`validate`] (the
 //! rules, pure), [`projector`] (the fold, pure), [`store`] (both backends,
-//! one API), [`cli`] (the binary's commands).
+//! one API), [`cli`] (the binary's commands), [`pi`] (pi coding agent
+//! session files read into events, pure).
 
 pub mod audit;
 pub mod cli;
 pub mod error;
 pub mod event;
 pub mod integrity;
+pub mod pi;
 pub mod projector;
 pub mod server;
 pub mod store;
