@@ -269,7 +269,13 @@ where
         b.push_bind(p);
     }
     q.scope.push(&mut b, "e");
-    b.push(" ORDER BY e.position LIMIT ");
+    // Within one session seq order is position order (both grow with
+    // each commit), and (session_id, seq) is the index that finds it.
+    b.push(if q.scope.session.is_some() {
+        " ORDER BY e.session_id, e.seq LIMIT "
+    } else {
+        " ORDER BY e.position LIMIT "
+    });
     b.push_bind(q.scope.limit);
     b
 }
