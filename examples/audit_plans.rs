@@ -225,8 +225,8 @@ async fn main() {
     );
 }
 
-/// Fresh statistics, as autovacuum would have gathered on a live store.
+/// Fresh statistics and visibility map, as autovacuum keeps them on a live store.
 async fn sqlx_analyze(url: &str) {
     let pool = sqlx::PgPool::connect(url).await.unwrap();
-    sqlx::query("ANALYZE").execute(&pool).await.unwrap();
+    sqlx::query("VACUUM ANALYZE").execute(&pool).await.unwrap();
 }

@@ -298,3 +298,77 @@ fn activation_changes_are_verified_rebuilt_and_backfilled() {
         assert!(run(url, &["verify", S]).status.success(), "{backend}");
     }
 }
+
+#[test]
+fn every_audit_query_reads_an_index_on_sqlite() {
+    use session_store::store::query::{ChangeQuery, EventQuery, PlanOf, Scope};
+    let db = common::sqlite_db();
+    assert!(run(&db.url, &["import", LOG]).status.success());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let store = session_store::Store::open(&db.url).await.unwrap();
+        let t = "2026-01-01T00:00:00Z".parse().unwrap();
+        let scope = |session, since| Scope {
+            tenant: Some("default".into()),
+            session,
+            since,
+            limit: 100,
+            ..Scope::default()
+        };
+        let session: uuid::Uuid = S.parse().unwrap();
+        let plain = scope(None, None);
+        let timed = scope(None, Some(t));
+        let typed = EventQuery {
+            scope: plain.clone(),
+            event_type: Some("compaction".into()),
+            ..EventQuery::default()
+        };
+        let by_session = EventQuery {
+            scope: scope(Some(session), None),
+            ..EventQuery::default()
+        };
+        let by_time = EventQuery {
+            scope: timed.clone(),
+            ..EventQuery::default()
+        };
+        let by_position = EventQuery {
+            scope: plain.clone(),
+            from_position: Some(3),
+            to_position: Some(9),
+            ..EventQuery::default()
+        };
+        let by_tool = ChangeQuery {
+            scope: plain.clone(),
+            tool: Some("web_fetch".into()),
+            ..ChangeQuery::default()
+        };
+        let changes_by_time = ChangeQuery {
+            scope: timed.clone(),
+            ..ChangeQuery::default()
+        };
+        for (name, of) in [
+            ("events by type", PlanOf::Events(&typed)),
+            ("events of a session", PlanOf::Events(&by_session)),
+            ("events by time", PlanOf::Events(&by_time)),
+            ("events by position", PlanOf::Events(&by_position)),
+            ("changes of a tool", PlanOf::Changes(&by_tool)),
+            ("changes by time", PlanOf::Changes(&changes_by_time)),
+            ("unanswered calls", PlanOf::UnansweredCalls(&plain)),
+            ("named results", PlanOf::NamedResults(&plain)),
+            ("catalogs", PlanOf::Catalogs(session)),
+            ("sessions", PlanOf::Sessions(&plain)),
+        ] {
+            let plan = store.audit_plan(of).await.unwrap();
+            // A bare `SCAN e` (no `USING …`) would read the whole table.
+            let full_scans: Vec<&str> = plan
+                .lines()
+                .filter(|l| l.starts_with("SCAN ") && !l.contains("USING"))
+                .collect();
+            assert!(full_scans.is_empty(), "{name}: {plan}");
+            assert!(
+                plan.contains("INDEX") || plan.contains("PRIMARY KEY"),
+                "{name}: {plan}"
+            );
+        }
+    });
+}

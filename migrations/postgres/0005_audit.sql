@@ -4,6 +4,12 @@
 CREATE INDEX events_type_position ON events (type, position);
 CREATE INDEX events_recorded_at ON events (recorded_at, position);
 
+-- Results that carry added_tool_names (the unknown-evidence-name scan:
+-- the stored text leaves absent fields out), and each session's catalogs.
+CREATE INDEX events_named_results ON events (position)
+    WHERE type = 'tool_result' AND payload LIKE '%"added_tool_names"%';
+CREATE INDEX events_catalogs ON events (session_id, seq) WHERE type = 'catalog_defined';
+
 -- Tool calls never answered.
 CREATE INDEX calls_unanswered ON calls (session_id, call_seq) WHERE result_seq IS NULL;
 

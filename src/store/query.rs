@@ -7,7 +7,6 @@
 //! The SQL is written once, generic over the backend: [`Dialect`] binds
 //! the two column types the backends store differently (ids and times).
 
-use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
 
 use chrono::{DateTime, Utc};
@@ -24,7 +23,7 @@ pub const MAX_PAGE: i64 = 1_000;
 
 /// How many `tool_result` rows one page of the unknown-names check reads
 /// at most, whatever it finds (the cursor says where to go on).
-const NAME_SCAN: i64 = 5_000;
+const NAME_SCAN: i64 = 2_000;
 
 /// Binds ids and times as each backend stores them.
 pub(crate) trait Dialect: sqlx::Database {
@@ -357,15 +356,20 @@ where
     b
 }
 
-/// The session's `catalog_defined` events.
-fn catalogs_sql<'a, DB: Dialect>(prefix: &str, session: Uuid) -> QueryBuilder<'a, DB>
+/// The `catalog_defined` events of these sessions.
+fn catalogs_sql<'a, DB: Dialect>(prefix: &str, sessions: &[Uuid]) -> QueryBuilder<'a, DB>
 where
     for<'b> String: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
 {
     let mut b = QueryBuilder::new(format!("{prefix}{EVENT_COLUMNS}"));
-    b.push(" WHERE e.session_id = ");
-    DB::push_uuid(&mut b, session);
-    b.push(" AND e.type = 'catalog_defined' ORDER BY e.seq");
+    b.push(" WHERE e.type = 'catalog_defined' AND e.session_id IN (");
+    for (i, s) in sessions.iter().enumerate() {
+        if i > 0 {
+            b.push(", ");
+        }
+        DB::push_uuid(&mut b, *s);
+    }
+    b.push(") ORDER BY e.session_id, e.seq");
     b
 }
 
@@ -537,6 +541,24 @@ impl Store {
             ))
             .await?;
         let mut done = (results.len() as i64) < NAME_SCAN;
+        // One lookup of every catalog of the page's sessions.
+        let mut sessions: Vec<Uuid> = results.iter().map(|e| e.session_id).collect();
+        sessions.sort();
+        sessions.dedup();
+        for chunk in sessions.chunks(500) {
+            let defs = self
+                .fetch_events(self.sql(|| catalogs_sql("", chunk), || catalogs_sql("", chunk)))
+                .await?;
+            for d in defs {
+                if let EventBody::CatalogDefined { deferred_tools, .. } = d.body {
+                    catalogs
+                        .entry(d.session_id)
+                        .or_default()
+                        .extend(deferred_tools);
+                }
+            }
+        }
+        let none = HashSet::new();
         for e in &results {
             after = e.position;
             let EventBody::ToolResult {
@@ -547,23 +569,7 @@ impl Store {
             else {
                 continue;
             };
-            if let Entry::Vacant(slot) = catalogs.entry(e.session_id) {
-                let defs = self
-                    .fetch_events(self.sql(
-                        || catalogs_sql("", e.session_id),
-                        || catalogs_sql("", e.session_id),
-                    ))
-                    .await?;
-                let known = defs
-                    .iter()
-                    .flat_map(|d| match &d.body {
-                        EventBody::CatalogDefined { deferred_tools, .. } => deferred_tools.clone(),
-                        _ => Vec::new(),
-                    })
-                    .collect();
-                slot.insert(known);
-            }
-            let known = &catalogs[&e.session_id];
+            let known = catalogs.get(&e.session_id).unwrap_or(&none);
             let unknown: Vec<String> = names
                 .iter()
                 .filter(|n| !known.contains(*n))
@@ -679,7 +685,7 @@ impl Store {
                 PlanOf::Changes(q) => changes_sql(prefix, q, None),
                 PlanOf::UnansweredCalls(s) => unanswered_sql(prefix, s, 0),
                 PlanOf::NamedResults(s) => named_results_sql(prefix, s, 0),
-                PlanOf::Catalogs(id) => catalogs_sql(prefix, *id),
+                PlanOf::Catalogs(id) => catalogs_sql(prefix, std::slice::from_ref(id)),
                 PlanOf::Sessions(s) => sessions_sql(prefix, s, None),
             }
         }
