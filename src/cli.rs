@@ -11,9 +11,11 @@ use clap::{Parser, Subcommand};
 use tracing::info;
 use uuid::Uuid;
 
+use crate::audit::{reason_text, At, Explanation, Reason, Refresh};
 use crate::error::{Error, Rule, ValidationError};
 use crate::event::{parse_line, EventBody, LineKind, NewEvent, ParsedLine};
 use crate::projector::{Activations, Context};
+use crate::store::query::{AnomalyKind, AnomalyQuery, ChangeQuery, EventQuery, Scope};
 use crate::store::{RetryPolicy, Store, StoreOptions};
 use crate::validate::DEFAULT_MAX_EVENT_BYTES;
 
@@ -47,9 +49,14 @@ pub struct Cli {
 pub enum Command {
     /// Create or upgrade the schema (also done on every open).
     Migrate,
-    /// Append JSON lines (each with session_id), each at its session's head.
+    /// Append JSON lines (each with session_id), each at its session's head;
+    /// or, with `--format pi`, a pi coding agent session file as one session
+    /// (docs/pi-import.md).
     Import {
-        /// The JSON-lines file; standard input without it.
+        /// What the file holds.
+        #[arg(long, value_enum, default_value_t = ImportFormat::Jsonl)]
+        format: ImportFormat,
+        /// The file; standard input without it.
         file: Option<PathBuf>,
     },
     /// Append one atomic batch of JSON lines to SESSION.
@@ -118,6 +125,35 @@ pub enum Command {
         /// The session's UUID.
         session: String,
     },
+    /// Explain whether TOOL is in the activation set and why, from the log
+    /// alone (docs/audit.md).
+    Explain {
+        /// The session's UUID.
+        session: String,
+        /// The deferred tool.
+        tool: String,
+        /// Answer as of this seq instead of the latest.
+        #[arg(long, conflicts_with = "at_prompt")]
+        at_seq: Option<i64>,
+        /// Answer for the request of the K-th prompt (1-based).
+        #[arg(long)]
+        at_prompt: Option<i64>,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// For every refresh point, the activation set after it and what was
+    /// added and removed (with the reason), from the log alone.
+    Refreshes {
+        /// The session's UUID.
+        session: String,
+        /// Print JSON lines, one refresh point each.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Cross-session audit queries (docs/audit.md), paged.
+    #[command(subcommand)]
+    Audit(AuditCommand),
     /// Print the global feed of every session's events in position order.
     Tail {
         /// Start at this position (1, the beginning, by default).
@@ -160,6 +196,104 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// The `audit` queries.
+#[derive(Debug, Subcommand)]
+pub enum AuditCommand {
+    /// Events across sessions in global order, by type, session, time and
+    /// position range.
+    Events {
+        /// Only events of this type.
+        #[arg(long = "type")]
+        event_type: Option<String>,
+        /// Only events at this position or later.
+        #[arg(long)]
+        from_position: Option<i64>,
+        /// Only events at this position or earlier.
+        #[arg(long)]
+        to_position: Option<i64>,
+        /// The narrowing every audit query takes.
+        #[command(flatten)]
+        scope: ScopeArgs,
+    },
+    /// Refresh points where a deferred tool entered or left a session's
+    /// activation set.
+    Changes {
+        /// Only this tool.
+        #[arg(long)]
+        tool: Option<String>,
+        /// Only `added` or only `removed`.
+        #[arg(long)]
+        change: Option<String>,
+        /// The narrowing every audit query takes.
+        #[command(flatten)]
+        scope: ScopeArgs,
+    },
+    /// Anomalies of one kind: unanswered-call, unknown-evidence-name or
+    /// view-drift.
+    Anomalies {
+        /// unanswered-call, unknown-evidence-name or view-drift.
+        kind: String,
+        /// The narrowing every audit query takes.
+        #[command(flatten)]
+        scope: ScopeArgs,
+    },
+}
+
+/// Flags shared by the `audit` queries.
+#[derive(Debug, clap::Args)]
+pub struct ScopeArgs {
+    /// Only this tenant's sessions (every tenant without it).
+    #[arg(long)]
+    pub tenant: Option<String>,
+    /// Only this session.
+    #[arg(long)]
+    pub session: Option<String>,
+    /// Only rows recorded at or after this time (RFC 3339).
+    #[arg(long, value_parser = parse_time)]
+    pub since: Option<chrono::DateTime<chrono::Utc>>,
+    /// Only rows recorded before this time (RFC 3339).
+    #[arg(long, value_parser = parse_time)]
+    pub until: Option<chrono::DateTime<chrono::Utc>>,
+    /// Rows per page.
+    #[arg(long, default_value_t = 100)]
+    pub limit: i64,
+    /// The cursor a previous page printed as `next`.
+    #[arg(long)]
+    pub after: Option<String>,
+    /// Print the page as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_time(s: &str) -> Result<chrono::DateTime<chrono::Utc>, String> {
+    chrono::DateTime::parse_from_rfc3339(s)
+        .map(|t| t.with_timezone(&chrono::Utc))
+        .map_err(|e| format!("{s:?} is not an RFC 3339 time such as 2026-12-01T00:00:00Z: {e}"))
+}
+
+impl ScopeArgs {
+    fn scope(&self) -> Result<Scope, CliError> {
+        Ok(Scope {
+            tenant: self.tenant.clone(),
+            session: self.session.as_deref().map(parse_session).transpose()?,
+            since: self.since,
+            until: self.until,
+            limit: self.limit,
+        })
+    }
+}
+
+/// The formats `import` reads.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum ImportFormat {
+    /// This store's JSON lines (SEMANTICS §9), as `export` writes them.
+    #[default]
+    Jsonl,
+    /// A session file of the pi coding agent: the path to its leaf becomes
+    /// one session.
+    Pi,
 }
 
 /// Flags of `serve`.
@@ -239,6 +373,9 @@ pub enum CliError {
         /// What is wrong.
         error: ValidationError,
     },
+    /// Bad input in a pi session file.
+    #[error("{0}")]
+    Pi(#[from] crate::pi::PiError),
     /// Bad input outside any line (a bad argument).
     #[error("{0}")]
     Input(String),
@@ -272,7 +409,10 @@ fn store_exit_code(e: &Error) -> i32 {
         Error::RetriesExhausted { last, .. } => store_exit_code(last),
         Error::Unavailable(_) | Error::Database(_) | Error::Corrupt(_) => 4,
         Error::BadUrl(_) => 2,
-        Error::Invalid(_) | Error::SessionNotFound(_) | Error::SeqOutOfRange { .. } => 1,
+        Error::Invalid(_)
+        | Error::SessionNotFound(_)
+        | Error::SeqOutOfRange { .. }
+        | Error::PromptOutOfRange { .. } => 1,
     }
 }
 
@@ -479,7 +619,31 @@ async fn run_on(
         Command::Migrate => {
             writeln!(out, "migrations applied").map_err(io)?;
         }
-        Command::Import { file } => {
+        Command::Import {
+            format: ImportFormat::Pi,
+            file,
+        } => {
+            let lines = read_lines(file.as_ref())?;
+            let session = crate::pi::convert(&lines)?;
+            let summary = import_pi(store, &session).await?;
+            let dropped = match session.off_path {
+                0 => String::new(),
+                1 => "; 1 pi entry on another branch dropped".to_owned(),
+                n => format!("; {n} pi entries on other branches dropped"),
+            };
+            writeln!(
+                out,
+                "imported {} into session {} ({} already stored{dropped})",
+                count(summary.written, "event"),
+                session.session_id,
+                summary.replayed
+            )
+            .map_err(io)?;
+        }
+        Command::Import {
+            format: ImportFormat::Jsonl,
+            file,
+        } => {
             let lines = read_lines(file.as_ref())?;
             let summary = import(store, &lines, max_bytes).await?;
             writeln!(
@@ -590,6 +754,56 @@ async fn run_on(
                 }
             }
         }
+        Command::Explain {
+            session,
+            tool,
+            at_seq,
+            at_prompt,
+            json,
+        } => {
+            if tool.is_empty() {
+                return Err(CliError::Input("the tool name is empty".to_owned()));
+            }
+            let at = match (at_seq, at_prompt) {
+                (Some(n), _) => At::Seq(n),
+                (None, Some(k)) => At::Prompt(k),
+                (None, None) => At::Latest,
+            };
+            let x = store.explain(parse_session(&session)?, &tool, at).await?;
+            if json {
+                print_json(out, &x)?;
+            } else {
+                print_explanation(&x, out).map_err(io)?;
+            }
+        }
+        Command::Refreshes { session, json } => {
+            let session = parse_session(&session)?;
+            if !json {
+                writeln!(
+                    out,
+                    "{:>6}  {:<17}  {:>6}  {:<12}  TOOLS / CHANGES",
+                    "SEQ", "TYPE", "PROMPT", "MODE"
+                )
+                .map_err(io)?;
+            }
+            let mut failed = None;
+            store
+                .refreshes(session, At::Latest, |r| {
+                    let written = if json {
+                        print_json(out, &r)
+                    } else {
+                        print_refresh(&r, out).map_err(io)
+                    };
+                    written.map_err(|e| {
+                        let message = e.to_string();
+                        failed = Some(e);
+                        Error::Unavailable(message)
+                    })
+                })
+                .await
+                .map_err(|e| failed.take().unwrap_or(CliError::Store(e)))?;
+        }
+        Command::Audit(query) => audit(store, query, out).await?,
         Command::Verify {
             session,
             integrity,
@@ -741,6 +955,186 @@ async fn run_on(
         }
     }
     Ok(())
+}
+
+async fn audit(store: &Store, query: AuditCommand, out: &mut dyn Write) -> Result<(), CliError> {
+    match query {
+        AuditCommand::Events {
+            event_type,
+            from_position,
+            to_position,
+            scope,
+        } => {
+            let after_position = match &scope.after {
+                None => 0,
+                Some(a) => a
+                    .parse()
+                    .map_err(|_| CliError::Input(format!("--after {a:?} is not a position")))?,
+            };
+            let page = store
+                .audit_events(&EventQuery {
+                    scope: scope.scope()?,
+                    event_type,
+                    from_position,
+                    to_position,
+                    after_position,
+                })
+                .await?;
+            if scope.json {
+                return print_json(out, &page);
+            }
+            writeln!(
+                out,
+                "{:>9}  {:<36}  {:>6}  {:<20}  {:<27}  DETAIL",
+                "POSITION", "SESSION", "SEQ", "TYPE", "RECORDED AT"
+            )
+            .map_err(io)?;
+            for e in &page.events {
+                writeln!(
+                    out,
+                    "{:>9}  {:<36}  {:>6}  {:<20}  {:<27}  {}",
+                    e.position,
+                    e.session_id,
+                    e.seq,
+                    e.body.type_name(),
+                    e.recorded_at
+                        .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+                    detail(&e.body)
+                )
+                .map_err(io)?;
+            }
+            print_next(out, page.next_after_position.map(|p| p.to_string()))
+        }
+        AuditCommand::Changes {
+            tool,
+            change,
+            scope,
+        } => {
+            let page = store
+                .audit_changes(&ChangeQuery {
+                    scope: scope.scope()?,
+                    tool,
+                    change,
+                    after: scope.after.clone(),
+                })
+                .await?;
+            if scope.json {
+                return print_json(out, &page);
+            }
+            writeln!(
+                out,
+                "{:>9}  {:<36}  {:>6}  {:<27}  {:<8}  TOOL",
+                "POSITION", "SESSION", "SEQ", "RECORDED AT", "CHANGE"
+            )
+            .map_err(io)?;
+            for c in &page.changes {
+                writeln!(
+                    out,
+                    "{:>9}  {:<36}  {:>6}  {:<27}  {:<8}  {}",
+                    c.position,
+                    c.session_id,
+                    c.seq,
+                    c.recorded_at
+                        .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+                    c.change,
+                    c.tool
+                )
+                .map_err(io)?;
+            }
+            print_next(out, page.next)
+        }
+        AuditCommand::Anomalies { kind, scope } => {
+            let kind = AnomalyKind::parse(&kind).ok_or_else(|| {
+                CliError::Input(format!(
+                    "unknown anomaly {kind:?}: expected unanswered-call, unknown-evidence-name or view-drift"
+                ))
+            })?;
+            let page = store
+                .audit_anomalies(&AnomalyQuery {
+                    scope: scope.scope()?,
+                    kind,
+                    after: scope.after.clone(),
+                })
+                .await?;
+            if scope.json {
+                return print_json(out, &page);
+            }
+            for a in &page.anomalies {
+                writeln!(out, "{}  {}", a.session_id, a.detail).map_err(io)?;
+            }
+            if page.anomalies.is_empty() {
+                writeln!(out, "none found on this page").map_err(io)?;
+            }
+            print_next(out, page.next)
+        }
+    }
+}
+
+fn print_next(out: &mut dyn Write, next: Option<String>) -> Result<(), CliError> {
+    match next {
+        Some(n) => writeln!(out, "next page: --after {n}"),
+        None => writeln!(out, "end of results"),
+    }
+    .map_err(io)
+}
+
+fn print_explanation(x: &Explanation, out: &mut dyn Write) -> std::io::Result<()> {
+    writeln!(out, "{}", x.why)?;
+    writeln!(
+        out,
+        "as of seq {} (prompt {}), mode {}",
+        x.as_of_seq, x.as_of_prompt, x.mode
+    )?;
+    match &x.catalog {
+        Some(c) => writeln!(
+            out,
+            "catalog of mode {}: catalog_defined at seq {} ({})",
+            c.mode, c.seq, c.event_id
+        )?,
+        None => writeln!(out, "mode {} has no catalog", x.mode)?,
+    }
+    if let Some(e) = &x.evidence {
+        writeln!(
+            out,
+            "evidence: {} result of call {} at seq {} ({})",
+            e.result_tool, e.call_id, e.seq, e.event_id
+        )?;
+    }
+    if let Some(Reason::OnlyUnsuccessful { results, .. }) = &x.reason {
+        for r in results {
+            writeln!(
+                out,
+                "  {} {} result of call {} at seq {} ({})",
+                r.status.as_str(),
+                r.result_tool,
+                r.call_id,
+                r.seq,
+                r.event_id
+            )?;
+        }
+    }
+    Ok(())
+}
+
+fn print_refresh(r: &Refresh, out: &mut dyn Write) -> std::io::Result<()> {
+    let tools: Vec<&str> = r.tools.iter().map(|a| a.name.as_str()).collect();
+    let mut changes: Vec<String> = r.added.iter().map(|n| format!("+{n}")).collect();
+    changes.extend(
+        r.removed
+            .iter()
+            .map(|x| format!("-{} ({})", x.name, reason_text(&x.reason))),
+    );
+    writeln!(
+        out,
+        "{:>6}  {:<17}  {:>6}  {:<12}  [{}]{}{}",
+        r.seq,
+        r.kind,
+        r.prompt,
+        r.mode,
+        tools.join(", "),
+        if changes.is_empty() { "" } else { "  " },
+        changes.join("  ")
+    )
 }
 
 /// "1 event", "2 events".
@@ -934,6 +1328,106 @@ async fn append_at_head(
         summary.written += outcome.events.len();
     }
     Ok(())
+}
+
+/// Imports a converted pi file as one atomic batch. A session that already
+/// holds a prefix of it (an earlier import of this file, or of a shorter
+/// version of it) gets only the rest; one that holds anything else is left
+/// alone with an error.
+pub async fn import_pi(
+    store: &Store,
+    session: &crate::pi::PiSession,
+) -> Result<ImportSummary, CliError> {
+    let id = session.session_id;
+    let head = store.head_seq(id).await?;
+    let mut stored = Vec::new();
+    while (stored.len() as i64) < head {
+        let page = store.history(id, stored.len() as i64, 1_000).await?;
+        if page.is_empty() {
+            break;
+        }
+        stored.extend(page);
+    }
+    let different = |seq: i64, what: String| {
+        CliError::Input(format!(
+            "session {id} already holds events this file does not produce (seq {seq}: {what}); \
+             it was imported from another branch or version of the pi file, or written by something else, \
+             and is left unchanged"
+        ))
+    };
+    if stored.len() > session.events.len() {
+        let extra = &stored[session.events.len()];
+        return Err(different(
+            extra.seq,
+            format!(
+                "the session goes on past the file's {} events",
+                session.events.len()
+            ),
+        ));
+    }
+    for (s, p) in stored.iter().zip(&session.events) {
+        if Some(s.event_id) != p.event.event_id || s.body != p.event.body {
+            return Err(different(
+                s.seq,
+                format!(
+                    "stored {} {}, but line {} gives {} {}",
+                    s.body.type_name(),
+                    s.event_id,
+                    p.line,
+                    p.event.body.type_name(),
+                    p.event.event_id.unwrap_or_default()
+                ),
+            ));
+        }
+    }
+    let rest = &session.events[stored.len()..];
+    let mut summary = ImportSummary {
+        written: 0,
+        replayed: stored.len(),
+        sessions: 1,
+    };
+    if rest.is_empty() {
+        return Ok(summary);
+    }
+    let events = rest.iter().map(|e| e.event.clone()).collect();
+    let outcome = store.append(id, head, events).await.map_err(|e| match e {
+        Error::Invalid(mut v) => match v.index.take().and_then(|i| rest.get(i)) {
+            Some(at) => CliError::Pi(crate::pi::PiError {
+                line: at.line,
+                field: v.field.as_deref().map(|f| pi_field(f, &at.event.body)),
+                message: match &at.entry_id {
+                    Some(entry) => format!("pi entry {entry:?}: {} (rule {})", v.message, v.rule),
+                    None => format!("the session header: {} (rule {})", v.message, v.rule),
+                },
+            }),
+            None => Error::Invalid(v).into(),
+        },
+        other => other.into(),
+    })?;
+    if outcome.replayed {
+        summary.replayed += outcome.events.len();
+    } else {
+        summary.written += outcome.events.len();
+    }
+    info!(session = %id, written = summary.written, replayed = summary.replayed, "pi import done");
+    Ok(summary)
+}
+
+/// The pi field that a store field of `body` was made from.
+fn pi_field(store_field: &str, body: &EventBody) -> String {
+    let pi = match (store_field, body) {
+        ("first_kept_event_id", _) => "firstKeptEntryId",
+        ("tokens_before", _) => "tokensBefore",
+        ("summary", _) => "summary",
+        ("call_id", EventBody::ToolCall { .. }) => "message.content[].id",
+        ("tool_name", EventBody::ToolCall { .. }) => "message.content[].name",
+        ("call_id", EventBody::ToolResult { .. }) => "message.toolCallId",
+        ("tool_name", EventBody::ToolResult { .. }) => "message.toolName",
+        ("added_tool_names" | "deferred_tools", _) => "message.details.addedToolNames",
+        ("text", _) => "message.content",
+        _ => return store_field.to_owned(),
+    };
+    pi.to_owned()
 }
 
 fn clip(s: &str, n: usize) -> String {

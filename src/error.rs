@@ -174,6 +174,16 @@ pub enum Error {
         /// The session's latest seq.
         latest: i64,
     },
+    /// `--at-prompt` outside 1..=the session's prompts.
+    #[error("there is no prompt {prompt} in session {session_id}: prompts are numbered from 1 and it has {prompts}")]
+    PromptOutOfRange {
+        /// The session.
+        session_id: Uuid,
+        /// The prompt number asked for.
+        prompt: i64,
+        /// How many prompts the session has.
+        prompts: i64,
+    },
     /// The database URL is not one the store understands.
     #[error("unsupported database URL {0:?}: use a file path, sqlite://PATH or postgres://…")]
     BadUrl(String),

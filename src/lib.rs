@@ -11,16 +11,19 @@
 //!
 //! Layout: [`event`] (types, parsed once at the boundary), [`validate`] (the
 //! rules, pure), [`projector`] (the fold, pure), [`store`] (both backends,
-//! one API), [`cli`] (the binary's commands), [`bench`] (`session-store
-//! bench`), [`pgtemp`] (throw-away PostgreSQL servers for tests and the
-//! bench).
+//! one API), [`cli`] (the binary's commands), [`audit`] (explain and
+//! refresh history), [`pi`] (pi coding agent session files read into
+//! events, pure), [`bench`] (`session-store bench`), [`pgtemp`]
+//! (throw-away PostgreSQL servers for tests and the bench).
 
+pub mod audit;
 pub mod bench;
 pub mod cli;
 pub mod error;
 pub mod event;
 pub mod integrity;
 pub mod pgtemp;
+pub mod pi;
 pub mod projector;
 pub mod server;
 pub mod store;
@@ -33,6 +36,6 @@ pub use error::{Error, Result, Rule, ValidationError};
 pub use event::{EventBody, NewEvent, StoredEvent, ToolStatus};
 pub use projector::{Activation, Activations, Context, ContextRow, SessionState, View};
 pub use store::{
-    AppendOutcome, Appended, BackendKind, Recovery, RetryPolicy, Store, StoreOptions, Subscription,
-    DEFAULT_TENANT,
+    AppendOutcome, Appended, BackendKind, ChangeRow, Recovery, RetryPolicy, Store, StoreOptions,
+    Subscription, DEFAULT_TENANT,
 };

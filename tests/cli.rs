@@ -449,21 +449,7 @@ fn unreachable_storage_exits_4_within_seconds() {
     assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
 }
 
-fn tamper(url: &str, sql: &str) {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        if url.starts_with("postgres") {
-            let pool = sqlx::PgPool::connect(url).await.unwrap();
-            sqlx::query(sql).execute(&pool).await.unwrap();
-        } else {
-            let pool = sqlx::SqlitePool::connect(url).await.unwrap();
-            sqlx::query(sql).execute(&pool).await.unwrap();
-        }
-    });
-}
+use common::raw_sql as tamper;
 
 #[test]
 fn recover_verify_and_rebuild_through_the_binary() {

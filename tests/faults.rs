@@ -259,9 +259,13 @@ async fn postgres_restart_in_the_middle_of_a_load_loses_nothing() {
     for s in &sessions {
         store.append(*s, 0, vec![started()]).await.unwrap();
     }
+    // Writers keep writing until the server is back, so some append is
+    // always in flight while it is down, however fast or slow this machine.
+    let restarted = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut writers = Vec::new();
     for (w, s) in sessions.iter().copied().enumerate() {
         let store = store.clone();
+        let restarted = restarted.clone();
         writers.push(tokio::spawn(async move {
             let policy = RetryPolicy {
                 max_attempts: 400,
@@ -270,7 +274,9 @@ async fn postgres_restart_in_the_middle_of_a_load_loses_nothing() {
             };
             let mut ids = Vec::new();
             let mut retryable_errors = 0;
-            for i in 0..60 {
+            let mut i = 0;
+            while i < 60 || !restarted.load(std::sync::atomic::Ordering::SeqCst) {
+                i += 1;
                 let batch: Vec<NewEvent> = (0..2)
                     .map(|k| prompt(&format!("w{w} {i}.{k}")).with_id(Uuid::new_v4()))
                     .collect();
@@ -303,6 +309,7 @@ async fn postgres_restart_in_the_middle_of_a_load_loses_nothing() {
     })
     .await
     .unwrap();
+    restarted.store(true, std::sync::atomic::Ordering::SeqCst);
     let mut errors = 0;
     for (w, writer) in writers.into_iter().enumerate() {
         let (ids, retryable) = writer.await.unwrap();

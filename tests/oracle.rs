@@ -1,14 +1,18 @@
 //! The projector against a deliberately simple second implementation: a
 //! straight transcription of SEMANTICS §5–§7 that recomputes everything from
 //! the events with seq <= N by seq comparisons, with no incremental state.
-//! For random valid logs, both must agree at every seq.
+//! For random valid logs, both must agree at every seq. The audit fold
+//! (`explain`) is held to the same transcription, and each reason it gives
+//! is checked against what the log says.
 
 mod common;
 
 use std::collections::BTreeMap;
 
 use common::gen::valid_log;
+use common::gen::TOOLS;
 use proptest::prelude::*;
+use session_store::audit::{Auditor, Reason};
 use session_store::{EventBody, SessionState, StoredEvent, ToolStatus};
 use uuid::Uuid;
 
@@ -130,6 +134,80 @@ proptest! {
         let log = valid_log(seed, Uuid::new_v4(), len);
         for n in 1..=log.len() as i64 {
             prop_assert_eq!(projector(&log, n), oracle(&log, n), "at seq {}", n);
+        }
+    }
+}
+
+/// Names with a successful result naming them among the events <= n, and
+/// among the effective rows.
+fn successes(log: &[StoredEvent], n: i64, effective: &[i64]) -> (Vec<String>, Vec<String>) {
+    let mut ever = Vec::new();
+    let mut eff = Vec::new();
+    for e in log.iter().filter(|e| e.seq <= n) {
+        if let EventBody::ToolResult {
+            tool_name,
+            status: ToolStatus::Success,
+            added_tool_names,
+            ..
+        } = &e.body
+        {
+            let mut names = vec![tool_name.clone()];
+            names.extend(added_tool_names.clone().unwrap_or_default());
+            if effective.contains(&e.seq) {
+                eff.extend(names.iter().cloned());
+            }
+            ever.extend(names);
+        }
+    }
+    (ever, eff)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn explain_agrees_with_the_transcription_at_every_seq(seed in any::<u64>(), len in 1usize..90) {
+        let log = valid_log(seed, Uuid::new_v4(), len);
+        let mut auditor = Auditor::new(log[0].session_id);
+        for e in &log {
+            auditor.apply(e);
+            let want = oracle(&log, e.seq);
+            let got: Vec<(String, i64)> = auditor
+                .activation_set()
+                .into_iter()
+                .map(|a| (a.name, a.evidence_seq))
+                .collect();
+            prop_assert_eq!(&got, &want.tools, "at seq {}", e.seq);
+            let (ever, effective) = successes(&log, e.seq, &want.row_seqs);
+            for tool in TOOLS {
+                let x = auditor.explain(tool);
+                let active = want.tools.iter().find(|(n, _)| n == tool);
+                prop_assert_eq!(x.active, active.is_some(), "{} at seq {}", tool, e.seq);
+                match (&x.reason, active) {
+                    (None, Some((_, seq))) => {
+                        prop_assert_eq!(x.evidence.as_ref().map(|r| r.seq), Some(*seq));
+                    }
+                    (Some(Reason::NeverEvidenced | Reason::OnlyUnsuccessful { .. }), None) => {
+                        prop_assert!(!ever.iter().any(|n| n == tool));
+                    }
+                    (Some(Reason::Compacted { compaction_seq, .. }), None) => {
+                        prop_assert!(ever.iter().any(|n| n == tool));
+                        prop_assert!(!effective.iter().any(|n| n == tool));
+                        prop_assert!(*compaction_seq <= e.seq);
+                    }
+                    (
+                        Some(Reason::NotInModeCatalog { mode, .. })
+                        | Some(Reason::DroppedByCatalogRebuild { mode, .. }),
+                        None,
+                    ) => {
+                        prop_assert!(effective.iter().any(|n| n == tool));
+                        prop_assert_eq!(mode, &want.mode);
+                    }
+                    (reason, active) => {
+                        prop_assert!(false, "{} at seq {}: {:?} / {:?}", tool, e.seq, reason, active);
+                    }
+                }
+            }
         }
     }
 }

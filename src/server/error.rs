@@ -109,6 +109,11 @@ impl From<Error> for ApiError {
                 "seq_out_of_range",
                 e.to_string(),
             ),
+            Error::PromptOutOfRange { .. } => ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "prompt_out_of_range",
+                e.to_string(),
+            ),
             Error::Unavailable(_) | Error::RetriesExhausted { .. } => {
                 warn!(cause = %e, "storage unavailable");
                 ApiError::new(

@@ -13,6 +13,7 @@
 //! tenant's session answers 404 exactly like a missing one, on every
 //! route, so a token cannot even learn that it exists.
 
+mod audit;
 pub mod auth;
 pub mod error;
 pub mod metrics;
@@ -144,6 +145,11 @@ impl Server {
             .route("/v1/sessions/{id}/activations", get(activations))
             .route("/v1/sessions/{id}/recover", get(recover))
             .route("/v1/sessions/{id}/stream", get(stream))
+            .route("/v1/sessions/{id}/explain/{tool}", get(audit::explain))
+            .route("/v1/sessions/{id}/refreshes", get(audit::refreshes))
+            .route("/v1/audit/events", get(audit::audit_events))
+            .route("/v1/audit/changes", get(audit::audit_changes))
+            .route("/v1/audit/anomalies", get(audit::audit_anomalies))
             .route("/healthz", get(healthz))
             .route("/readyz", get(readyz))
             .route("/metrics", get(metrics_text))

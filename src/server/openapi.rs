@@ -15,12 +15,19 @@ use super::*;
     ),
     paths(
         append, history, context, activations, recover, stream, healthz, readyz, metrics_text,
-        openapi_doc
+        openapi_doc, audit::explain, audit::refreshes, audit::audit_events, audit::audit_changes,
+        audit::audit_anomalies
     ),
     components(schemas(
         AppendRequest, EventInput, AppendResponse, AppendedEvent, HistoryPage, Health, ErrorBody,
         crate::event::EventBody, crate::event::ToolStatus, StoredEvent, Context,
-        crate::projector::ContextRow, Activations, crate::projector::Activation, Recovery
+        crate::projector::ContextRow, Activations, crate::projector::Activation, Recovery,
+        crate::audit::Explanation, crate::audit::EvidenceRow, crate::audit::EvidenceSource,
+        crate::audit::CatalogRef, crate::audit::Reason, crate::audit::Refresh,
+        crate::audit::Removed, audit::RefreshList, crate::store::query::EventPage,
+        crate::store::query::ChangePage, crate::store::ChangeRow,
+        crate::store::query::AnomalyPage, crate::store::query::Anomaly,
+        crate::store::query::AnomalyKind
     )),
     modifiers(&Bearer),
     tags((name = "session-store"))

@@ -22,8 +22,10 @@
 //! memory of the cache grows with the session's history.
 
 mod chain;
+mod explain;
 mod group;
 pub(crate) mod postgres;
+pub mod query;
 pub(crate) mod sqlite;
 mod subscribe;
 
@@ -208,6 +210,9 @@ pub(crate) trait LogTx: Send {
             if let Some(view) = w.view {
                 self.write_view(view).await?;
             }
+            if !w.changes.is_empty() {
+                self.record_changes(w.changes).await?;
+            }
             if let Some(tenant) = w.claim_for {
                 self.claim_session(w.session_id, tenant).await?;
             }
@@ -282,6 +287,24 @@ pub(crate) trait LogTx: Send {
     /// `(number of events, largest position, positions handed out)`: equal
     /// when no row was removed.
     fn position_summary(&mut self) -> impl Future<Output = Result<(i64, i64, i64)>> + Send;
+    /// Inserts rows of `activation_changes`.
+    fn record_changes(&mut self, rows: &[ChangeRow]) -> impl Future<Output = Result<()>> + Send;
+    /// The session's `activation_changes`, in seq then name order.
+    fn load_changes(
+        &mut self,
+        session_id: Uuid,
+    ) -> impl Future<Output = Result<Vec<ChangeRow>>> + Send;
+    /// Sessions whose activation changes were never computed (written
+    /// before migration 0005).
+    fn changes_backfill_pending(
+        &mut self,
+        limit: i64,
+    ) -> impl Future<Output = Result<Vec<Uuid>>> + Send;
+    /// Marks a session's activation changes computed.
+    fn changes_backfill_done(
+        &mut self,
+        session_id: Uuid,
+    ) -> impl Future<Output = Result<()>> + Send;
     /// Commits.
     fn commit(self) -> impl Future<Output = Result<()>> + Send;
 }
@@ -297,6 +320,59 @@ pub(crate) struct Accepted<'a> {
     pub(crate) claim_for: Option<&'a str>,
     /// The session's seq after the batch (for the wake-up).
     pub(crate) seq: i64,
+    /// The `activation_changes` rows of the batch's refresh points.
+    pub(crate) changes: &'a [ChangeRow],
+}
+
+/// One row of `activation_changes`: a name entering or leaving the
+/// activation set at a refresh point (docs/audit.md).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
+pub struct ChangeRow {
+    /// The session.
+    pub session_id: Uuid,
+    /// The refresh point's seq.
+    pub seq: i64,
+    /// The refresh point's global position.
+    pub position: i64,
+    /// The refresh point's time.
+    pub recorded_at: DateTime<Utc>,
+    /// The deferred tool.
+    pub tool: String,
+    /// `added` or `removed`.
+    pub change: String,
+    /// For `added`: the evidence seq it entered with.
+    pub evidence_seq: Option<i64>,
+}
+
+/// The rows of `activation_changes` for one refresh point: the names of
+/// `after` not in `before` (added) and of `before` not in `after`.
+pub(crate) fn change_rows(
+    refresh: &StoredEvent,
+    before: &[Activation],
+    after: &[Activation],
+) -> Vec<ChangeRow> {
+    let row = |a: &Activation, change: &str, evidence_seq| ChangeRow {
+        session_id: refresh.session_id,
+        seq: refresh.seq,
+        position: refresh.position,
+        recorded_at: refresh.recorded_at,
+        tool: a.name.clone(),
+        change: change.to_owned(),
+        evidence_seq,
+    };
+    let mut rows: Vec<ChangeRow> = after
+        .iter()
+        .filter(|a| !before.iter().any(|b| b.name == a.name))
+        .map(|a| row(a, "added", Some(a.evidence_seq)))
+        .chain(
+            before
+                .iter()
+                .filter(|b| !after.iter().any(|a| a.name == b.name))
+                .map(|b| row(b, "removed", None)),
+        )
+        .collect();
+    rows.sort_by(|a, b| a.tool.cmp(&b.tool));
+    rows
 }
 
 /// One row of the calls index: call id, tool name, call seq, result seq.
@@ -534,6 +610,7 @@ impl Store {
         };
         store.migrate().await?;
         store.backfill_chains().await?;
+        store.backfill_changes().await?;
         Ok(store)
     }
 
@@ -1066,6 +1143,10 @@ async fn judge_and_write<T: LogTx>(
     let mut calls: Vec<CallRow> = Vec::new();
     let mut call_index: HashMap<&str, usize> = HashMap::new();
     let mut last_view = None;
+    // The activation set at the previous refresh point, read only when the
+    // batch has a refresh point (activation_changes are diffs against it).
+    let mut previous_active: Option<Vec<Activation>> = None;
+    let mut changes: Vec<ChangeRow> = Vec::new();
     for (i, e) in events.iter().enumerate() {
         let payload = e.body.to_json_text();
         if payload.len() > options.max_event_bytes {
@@ -1122,7 +1203,19 @@ async fn judge_and_write<T: LogTx>(
                     calls.push((call_id.clone(), tool_name.clone(), call_seq, Some(row.seq)));
                 }
             },
-            body if body.is_refresh_point() => last_view = Some(state.view()),
+            body if body.is_refresh_point() => {
+                let view = state.view();
+                let before = match previous_active.take() {
+                    Some(a) => a,
+                    None => match tx.load_view(session_id).await? {
+                        Some(v) => v.to_view()?.active,
+                        None => Vec::new(),
+                    },
+                };
+                changes.extend(change_rows(&stored, &before, &view.active));
+                previous_active = Some(view.active.clone());
+                last_view = Some(view);
+            }
             _ => {}
         }
         rows.push(row);
@@ -1137,6 +1230,9 @@ async fn judge_and_write<T: LogTx>(
     for r in state.rows.iter_mut().rev().take_while(|r| r.seq > head) {
         r.position = first_position + (r.seq - head - 1);
     }
+    for c in &mut changes {
+        c.position = first_position + (c.seq - head - 1);
+    }
     let view = last_view.as_ref().map(ViewRow::from_view);
     tx.write_accepted(Accepted {
         session_id,
@@ -1145,6 +1241,7 @@ async fn judge_and_write<T: LogTx>(
         view: view.as_ref(),
         claim_for: creates_for,
         seq: head + events.len() as i64,
+        changes: &changes,
     })
     .await?;
     let appended = rows
@@ -1333,6 +1430,26 @@ async fn verify_in<T: LogTx>(mut tx: T, session_id: Uuid) -> Result<Option<Strin
         tx.calls(session_id, &ids).await?
     };
     stored_calls.sort_by_key(|r| r.2);
+    let expected_changes = changes_from_log(&mut tx, session_id, state.seq).await?;
+    let stored_changes = tx.load_changes(session_id).await?;
+    if expected_changes != stored_changes {
+        let first = expected_changes
+            .iter()
+            .zip(stored_changes.iter())
+            .position(|(e, s)| e != s)
+            .unwrap_or(expected_changes.len().min(stored_changes.len()));
+        let shown = |rows: &[ChangeRow]| {
+            rows.get(first)
+                .map(|c| format!("{} {} at seq {}", c.change, c.tool, c.seq))
+                .unwrap_or_else(|| "nothing".to_owned())
+        };
+        return Ok(Some(format!(
+            "session {session_id}: the activation changes differ from the log: change {} is {} in the index but {} from the log",
+            first + 1,
+            shown(&stored_changes),
+            shown(&expected_changes)
+        )));
+    }
     for (e, s) in expected_calls
         .iter()
         .zip(
@@ -1375,13 +1492,85 @@ fn first_view_difference(stored: &View, expected: &View) -> Option<String> {
 }
 
 async fn rebuild_in<T: LogTx>(mut tx: T, session_id: Uuid) -> Result<()> {
-    let (view, state) = fold_log(&mut tx, session_id).await?;
+    rebuild_session(&mut tx, session_id).await?;
+    tx.commit().await
+}
+
+/// Recomputes every derived row of a session (view, calls index,
+/// activation changes) from its log, inside the caller's transaction.
+async fn rebuild_session<T: LogTx>(tx: &mut T, session_id: Uuid) -> Result<()> {
+    let (view, state) = fold_log(tx, session_id).await?;
+    let changes = changes_from_log(tx, session_id, state.seq).await?;
     tx.clear_derived(session_id).await?;
     tx.record_calls(session_id, &call_rows(&state)).await?;
     if let Some(view) = &view {
         tx.write_view(&ViewRow::from_view(view)).await?;
     }
-    tx.commit().await
+    tx.record_changes(&changes).await?;
+    tx.changes_backfill_done(session_id).await
+}
+
+/// The session's activation changes as the log implies them: the set at
+/// each refresh point against the one at the previous refresh point.
+async fn changes_from_log<T: LogTx>(
+    tx: &mut T,
+    session_id: Uuid,
+    head: i64,
+) -> Result<Vec<ChangeRow>> {
+    let mut tracker = crate::audit::Auditor::new(session_id);
+    let mut before: Vec<Activation> = Vec::new();
+    let mut changes = Vec::new();
+    let mut after = 0;
+    while after < head {
+        let page = tx
+            .range(session_id, after, head.min(after + FOLD_PAGE))
+            .await?;
+        let Some(last) = page.last() else { break };
+        after = last.seq;
+        for e in &page {
+            tracker.apply(e);
+            if e.body.is_refresh_point() {
+                let now = tracker.activation_set();
+                changes.extend(change_rows(e, &before, &now));
+                before = now;
+            }
+        }
+    }
+    Ok(changes)
+}
+
+impl Store {
+    /// Computes the activation changes of sessions written before
+    /// migration 0005 (once, when a store is opened after it), a few
+    /// sessions per write transaction.
+    async fn backfill_changes(&self) -> Result<()> {
+        async fn batch<T: LogTx>(mut tx: T) -> Result<usize> {
+            let pending = tx.changes_backfill_pending(20).await?;
+            for s in &pending {
+                rebuild_session(&mut tx, *s).await?;
+            }
+            tx.commit().await?;
+            Ok(pending.len())
+        }
+        let mut total = 0;
+        loop {
+            let n = match &self.backend {
+                Backend::Sqlite(b) => batch(b.begin_write().await?).await?,
+                Backend::Postgres(b) => batch(b.begin_write().await?).await?,
+            };
+            if n == 0 {
+                break;
+            }
+            total += n;
+        }
+        if total > 0 {
+            tracing::info!(
+                sessions = total,
+                "computed the activation changes of sessions written before them"
+            );
+        }
+        Ok(())
+    }
 }
 
 /// Sleeps for about `backoff` (between half and all of it), then doubles it.

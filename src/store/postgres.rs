@@ -19,7 +19,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Postgres, Transaction};
 use uuid::Uuid;
 
-use super::{Accepted, CallRow, LogTx, PendingRow, StoreOptions, ViewColumns, ViewRow};
+use super::{Accepted, CallRow, ChangeRow, LogTx, PendingRow, StoreOptions, ViewColumns, ViewRow};
 use crate::error::{Error, Result};
 use crate::event::{EventBody, StoredEvent};
 
@@ -187,6 +187,58 @@ impl PgBackend {
         &self.pool
     }
 
+    /// Runs an audit query that selects event rows (src/store/query.rs).
+    pub(crate) async fn fetch_events(
+        &self,
+        mut q: sqlx::QueryBuilder<'static, Postgres>,
+    ) -> Result<Vec<StoredEvent>> {
+        let rows: Vec<Row> = q
+            .build_query_as()
+            .fetch_all(&self.pool)
+            .await
+            .map_err(Error::from_sqlx)?;
+        rows.into_iter().map(decode).collect()
+    }
+
+    /// Runs an audit query that selects `activation_changes` rows.
+    pub(crate) async fn fetch_changes(
+        &self,
+        mut q: sqlx::QueryBuilder<'static, Postgres>,
+    ) -> Result<Vec<ChangeRow>> {
+        let rows: Vec<PgChange> = q
+            .build_query_as()
+            .fetch_all(&self.pool)
+            .await
+            .map_err(Error::from_sqlx)?;
+        Ok(rows.into_iter().map(decode_change).collect())
+    }
+
+    /// The `EXPLAIN` lines of a query.
+    pub(crate) async fn fetch_plan(
+        &self,
+        mut q: sqlx::QueryBuilder<'static, Postgres>,
+    ) -> Result<Vec<String>> {
+        let rows: Vec<(String,)> = q
+            .build_query_as()
+            .fetch_all(&self.pool)
+            .await
+            .map_err(Error::from_sqlx)?;
+        Ok(rows.into_iter().map(|r| r.0).collect())
+    }
+
+    /// Runs an audit query that selects session ids.
+    pub(crate) async fn fetch_sessions(
+        &self,
+        mut q: sqlx::QueryBuilder<'static, Postgres>,
+    ) -> Result<Vec<Uuid>> {
+        let rows: Vec<(Uuid,)> = q
+            .build_query_as()
+            .fetch_all(&self.pool)
+            .await
+            .map_err(Error::from_sqlx)?;
+        Ok(rows.into_iter().map(|(s,)| s).collect())
+    }
+
     pub(crate) async fn close(&self) {
         self.pool.close().await;
     }
@@ -312,6 +364,11 @@ impl LogTx for PgTx {
         .await
         .map_err(Error::from_sqlx)?;
         self.unwritten = 0;
+        // Only a batch whose refresh points change the activation set has
+        // any: one more statement for those.
+        if !w.changes.is_empty() {
+            self.record_changes(w.changes).await?;
+        }
         Ok(())
     }
 
@@ -468,6 +525,7 @@ impl LogTx for PgTx {
         for sql in [
             "DELETE FROM session_views WHERE session_id = $1",
             "DELETE FROM calls WHERE session_id = $1",
+            "DELETE FROM activation_changes WHERE session_id = $1",
         ] {
             sqlx::query(sql)
                 .bind(session_id)
@@ -588,6 +646,65 @@ impl LogTx for PgTx {
         Ok((count, max, last))
     }
 
+    async fn record_changes(&mut self, rows: &[ChangeRow]) -> Result<()> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let positions: Vec<i64> = rows.iter().map(|r| r.position).collect();
+        let tools: Vec<&str> = rows.iter().map(|r| r.tool.as_str()).collect();
+        let sessions: Vec<Uuid> = rows.iter().map(|r| r.session_id).collect();
+        let seqs: Vec<i64> = rows.iter().map(|r| r.seq).collect();
+        let times: Vec<DateTime<Utc>> = rows.iter().map(|r| r.recorded_at).collect();
+        let changes: Vec<&str> = rows.iter().map(|r| r.change.as_str()).collect();
+        let evidence: Vec<Option<i64>> = rows.iter().map(|r| r.evidence_seq).collect();
+        sqlx::query(
+            "INSERT INTO activation_changes (position, tool, session_id, seq, recorded_at, change, evidence_seq) \
+             SELECT * FROM UNNEST($1::BIGINT[], $2::TEXT[], $3::UUID[], $4::BIGINT[], $5::TIMESTAMPTZ[], $6::TEXT[], $7::BIGINT[])",
+        )
+        .bind(positions)
+        .bind(tools)
+        .bind(sessions)
+        .bind(seqs)
+        .bind(times)
+        .bind(changes)
+        .bind(evidence)
+        .execute(&mut *self.tx)
+        .await
+        .map_err(Error::from_sqlx)?;
+        Ok(())
+    }
+
+    async fn load_changes(&mut self, session_id: Uuid) -> Result<Vec<ChangeRow>> {
+        let rows: Vec<PgChange> = sqlx::query_as(
+            "SELECT position, tool, session_id, seq, recorded_at, change, evidence_seq \
+             FROM activation_changes WHERE session_id = $1 ORDER BY seq, tool",
+        )
+        .bind(session_id)
+        .fetch_all(&mut *self.tx)
+        .await
+        .map_err(Error::from_sqlx)?;
+        Ok(rows.into_iter().map(decode_change).collect())
+    }
+
+    async fn changes_backfill_pending(&mut self, limit: i64) -> Result<Vec<Uuid>> {
+        let rows: Vec<(Uuid,)> =
+            sqlx::query_as("SELECT session_id FROM changes_backfill ORDER BY session_id LIMIT $1")
+                .bind(limit)
+                .fetch_all(&mut *self.tx)
+                .await
+                .map_err(Error::from_sqlx)?;
+        Ok(rows.into_iter().map(|(s,)| s).collect())
+    }
+
+    async fn changes_backfill_done(&mut self, session_id: Uuid) -> Result<()> {
+        sqlx::query("DELETE FROM changes_backfill WHERE session_id = $1")
+            .bind(session_id)
+            .execute(&mut *self.tx)
+            .await
+            .map_err(Error::from_sqlx)?;
+        Ok(())
+    }
+
     async fn commit(mut self) -> Result<()> {
         if self.unwritten > 0 {
             sqlx::query("UPDATE event_position SET last = last + $1 WHERE id = 1")
@@ -597,5 +714,21 @@ impl LogTx for PgTx {
                 .map_err(Error::from_sqlx)?;
         }
         self.tx.commit().await.map_err(Error::from_sqlx)
+    }
+}
+
+/// An `activation_changes` row as PostgreSQL returns it.
+pub(crate) type PgChange = (i64, String, Uuid, i64, DateTime<Utc>, String, Option<i64>);
+
+pub(crate) fn decode_change(r: PgChange) -> ChangeRow {
+    let (position, tool, session_id, seq, recorded_at, change, evidence_seq) = r;
+    ChangeRow {
+        session_id,
+        seq,
+        position,
+        recorded_at,
+        tool,
+        change,
+        evidence_seq,
     }
 }

@@ -17,7 +17,7 @@ use sqlx::sqlite::{
 use sqlx::{QueryBuilder, Sqlite, Transaction};
 use uuid::Uuid;
 
-use super::{CallRow, LogTx, PendingRow, StoreOptions, ViewColumns, ViewRow};
+use super::{CallRow, ChangeRow, LogTx, PendingRow, StoreOptions, ViewColumns, ViewRow};
 use crate::error::{Error, Result};
 use crate::event::{EventBody, StoredEvent};
 
@@ -196,6 +196,63 @@ impl SqliteBackend {
         .await
         .map_err(Error::from_sqlx)?;
         rows.into_iter().map(decode).collect()
+    }
+
+    /// Runs an audit query that selects event rows (src/store/query.rs).
+    pub(crate) async fn fetch_events(
+        &self,
+        mut q: QueryBuilder<'static, Sqlite>,
+    ) -> Result<Vec<StoredEvent>> {
+        let rows: Vec<Row> = q
+            .build_query_as()
+            .fetch_all(&self.pool)
+            .await
+            .map_err(Error::from_sqlx)?;
+        rows.into_iter().map(decode).collect()
+    }
+
+    /// Runs an audit query that selects `activation_changes` rows.
+    pub(crate) async fn fetch_changes(
+        &self,
+        mut q: QueryBuilder<'static, Sqlite>,
+    ) -> Result<Vec<ChangeRow>> {
+        let rows: Vec<SqliteChange> = q
+            .build_query_as()
+            .fetch_all(&self.pool)
+            .await
+            .map_err(Error::from_sqlx)?;
+        rows.into_iter().map(decode_change).collect()
+    }
+
+    /// The `EXPLAIN QUERY PLAN` rows of a query, one line each.
+    pub(crate) async fn fetch_plan(
+        &self,
+        mut q: QueryBuilder<'static, Sqlite>,
+    ) -> Result<Vec<String>> {
+        let rows: Vec<(i64, i64, i64, String)> = q
+            .build_query_as()
+            .fetch_all(&self.pool)
+            .await
+            .map_err(Error::from_sqlx)?;
+        Ok(rows.into_iter().map(|r| r.3).collect())
+    }
+
+    /// Runs an audit query that selects session ids.
+    pub(crate) async fn fetch_sessions(
+        &self,
+        mut q: QueryBuilder<'static, Sqlite>,
+    ) -> Result<Vec<Uuid>> {
+        let rows: Vec<(String,)> = q
+            .build_query_as()
+            .fetch_all(&self.pool)
+            .await
+            .map_err(Error::from_sqlx)?;
+        rows.into_iter()
+            .map(|(s,)| {
+                Uuid::parse_str(&s)
+                    .map_err(|_| Error::Corrupt(format!("the log holds a bad session id {s:?}")))
+            })
+            .collect()
     }
 
     pub(crate) async fn close(&self) {
@@ -409,6 +466,7 @@ impl LogTx for SqliteTx {
         for sql in [
             "DELETE FROM session_views WHERE session_id = ?",
             "DELETE FROM calls WHERE session_id = ?",
+            "DELETE FROM activation_changes WHERE session_id = ?",
         ] {
             sqlx::query(sql)
                 .bind(session_id.to_string())
@@ -533,7 +591,96 @@ impl LogTx for SqliteTx {
         Ok((count, max, max))
     }
 
+    async fn record_changes(&mut self, rows: &[ChangeRow]) -> Result<()> {
+        for chunk in rows.chunks(INSERT_CHUNK) {
+            let mut q = QueryBuilder::<Sqlite>::new(
+                "INSERT INTO activation_changes (position, tool, session_id, seq, recorded_at, change, evidence_seq) ",
+            );
+            q.push_values(chunk, |mut b, r| {
+                b.push_bind(r.position)
+                    .push_bind(r.tool.as_str())
+                    .push_bind(r.session_id.to_string())
+                    .push_bind(r.seq)
+                    .push_bind(sqlite_time(&r.recorded_at))
+                    .push_bind(r.change.as_str())
+                    .push_bind(r.evidence_seq);
+            });
+            q.build()
+                .execute(&mut *self.0)
+                .await
+                .map_err(Error::from_sqlx)?;
+        }
+        Ok(())
+    }
+
+    async fn load_changes(&mut self, session_id: Uuid) -> Result<Vec<ChangeRow>> {
+        let rows: Vec<SqliteChange> = sqlx::query_as(CHANGE_SELECT_SESSION)
+            .bind(session_id.to_string())
+            .fetch_all(&mut *self.0)
+            .await
+            .map_err(Error::from_sqlx)?;
+        rows.into_iter().map(decode_change).collect()
+    }
+
+    async fn changes_backfill_pending(&mut self, limit: i64) -> Result<Vec<Uuid>> {
+        let rows: Vec<(String,)> =
+            sqlx::query_as("SELECT session_id FROM changes_backfill ORDER BY session_id LIMIT ?")
+                .bind(limit)
+                .fetch_all(&mut *self.0)
+                .await
+                .map_err(Error::from_sqlx)?;
+        rows.into_iter()
+            .map(|(s,)| {
+                Uuid::parse_str(&s).map_err(|_| {
+                    Error::Corrupt(format!("changes_backfill holds a bad session id {s:?}"))
+                })
+            })
+            .collect()
+    }
+
+    async fn changes_backfill_done(&mut self, session_id: Uuid) -> Result<()> {
+        sqlx::query("DELETE FROM changes_backfill WHERE session_id = ?")
+            .bind(session_id.to_string())
+            .execute(&mut *self.0)
+            .await
+            .map_err(Error::from_sqlx)?;
+        Ok(())
+    }
+
     async fn commit(self) -> Result<()> {
         self.0.commit().await.map_err(Error::from_sqlx)
     }
+}
+
+/// Times are stored as RFC 3339 text with microseconds and `Z`, so text
+/// order is time order.
+pub(crate) fn sqlite_time(t: &DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
+}
+
+/// An `activation_changes` row as SQLite returns it.
+pub(crate) type SqliteChange = (i64, String, String, i64, String, String, Option<i64>);
+
+const CHANGE_SELECT_SESSION: &str =
+    "SELECT position, tool, session_id, seq, recorded_at, change, evidence_seq \
+     FROM activation_changes WHERE session_id = ? ORDER BY seq, tool";
+
+pub(crate) fn decode_change(r: SqliteChange) -> Result<ChangeRow> {
+    let (position, tool, session_id, seq, recorded_at, change, evidence_seq) = r;
+    let corrupt = |what: &str| {
+        Error::Corrupt(format!(
+            "activation change at position {position} of {tool:?}: {what}"
+        ))
+    };
+    Ok(ChangeRow {
+        session_id: Uuid::parse_str(&session_id).map_err(|_| corrupt("bad session_id"))?,
+        seq,
+        position,
+        recorded_at: DateTime::parse_from_rfc3339(&recorded_at)
+            .map_err(|_| corrupt("bad recorded_at"))?
+            .with_timezone(&Utc),
+        tool,
+        change,
+        evidence_seq,
+    })
 }

@@ -138,3 +138,22 @@ macro_rules! both_backends {
         }
     };
 }
+
+/// Runs one SQL statement on the test database behind the store's back,
+/// as an operator (or an attacker) with database access would.
+#[allow(dead_code)]
+pub fn raw_sql(url: &str, sql: &str) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        if url.starts_with("postgres") {
+            let pool = sqlx::PgPool::connect(url).await.unwrap();
+            sqlx::query(sql).execute(&pool).await.unwrap();
+        } else {
+            let pool = sqlx::SqlitePool::connect(url).await.unwrap();
+            sqlx::query(sql).execute(&pool).await.unwrap();
+        }
+    });
+}

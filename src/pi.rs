@@ -1,0 +1,1290 @@
+//! Session files of the pi coding agent (badlogic/pi-mono,
+//! packages/coding-agent) turned into this store's events: pure, no I/O.
+//!
+//! A pi file is JSON lines: a `session` header, then entries that form a
+//! tree through `id`/`parentId` (branching in place). What pi sends the
+//! model is the path from the root to the leaf, the last entry of the file,
+//! so that path becomes one session here and entries on other branches are
+//! dropped. Session and event ids are derived (UUIDv5) from the pi session
+//! id and the entry ids: importing the file again, or a longer version of
+//! it, stores nothing twice. Every mapping decision is written down, with
+//! its reason, in `docs/pi-import.md`.
+//!
+//! [`convert`] checks everything it can name in pi's terms (line and pi
+//! field) before anything is appended; the store's own rules (§4) then judge
+//! the whole session as one atomic batch.
+
+use std::collections::{BTreeSet, HashMap};
+use std::fmt;
+
+use chrono::{DateTime, Utc};
+use serde_json::{Map, Value};
+use sha1::{Digest, Sha1};
+use uuid::Uuid;
+
+use crate::event::{EventBody, NewEvent, ToolStatus};
+
+/// The mode every imported session runs in: pi has no modes.
+pub const MODE: &str = "agent";
+
+/// The UUIDv5 namespace of pi session ids that are not UUIDs themselves.
+pub const NAMESPACE: Uuid = Uuid::from_u128(0x6a1c_5e0b_29d4_4f3e_9b7a_0c2e_51f8_d4a7);
+
+/// The current pi session format; older files are read as pi migrates them.
+const CURRENT_VERSION: u64 = 3;
+
+/// Bad pi input: the line (1-based, as in the file), the pi field at fault
+/// and what is wrong.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PiError {
+    /// 1-based line number in the file.
+    pub line: usize,
+    /// The pi field at fault (`parentId`, `message.toolCallId`, …).
+    pub field: Option<String>,
+    /// One sentence saying what is wrong.
+    pub message: String,
+}
+
+impl PiError {
+    fn new(line: usize, field: Option<&str>, message: impl Into<String>) -> PiError {
+        PiError {
+            line,
+            field: field.map(str::to_owned),
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for PiError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "line {}: {}", self.line, self.message)?;
+        if let Some(field) = &self.field {
+            write!(f, " (field `{field}`)")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for PiError {}
+
+/// One event of the imported session and where in the file it came from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PiEvent {
+    /// The line of the entry (or header) it was made from.
+    pub line: usize,
+    /// The pi entry id; `None` for the header's `session_started`.
+    pub entry_id: Option<String>,
+    /// The event, with its derived id and the entry's time.
+    pub event: NewEvent,
+}
+
+/// A pi file as one session of this store.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PiSession {
+    /// The pi session id if it is a UUID, else its UUIDv5 in [`NAMESPACE`].
+    pub session_id: Uuid,
+    /// The events, in order, starting with `session_started`.
+    pub events: Vec<PiEvent>,
+    /// Entries of the file (header excluded).
+    pub entries: usize,
+    /// Entries not on the path to the leaf (other branches), dropped.
+    pub off_path: usize,
+}
+
+/// A name-based UUID (version 5, SHA-1) of `name` in `namespace`.
+pub fn uuid_v5(namespace: Uuid, name: &str) -> Uuid {
+    let mut hasher = Sha1::new();
+    hasher.update(namespace.as_bytes());
+    hasher.update(name.as_bytes());
+    let digest = hasher.finalize();
+    let mut bytes = [0u8; 16];
+    bytes.copy_from_slice(&digest[..16]);
+    uuid::Builder::from_sha1_bytes(bytes).into_uuid()
+}
+
+/// The session id of a pi session id: itself when it is a UUID.
+pub fn session_id_for(pi_id: &str) -> Uuid {
+    Uuid::parse_str(pi_id).unwrap_or_else(|_| uuid_v5(NAMESPACE, pi_id))
+}
+
+/// One tree entry of the file.
+struct Entry {
+    line: usize,
+    id: String,
+    parent: Option<String>,
+    kind: String,
+    time: Option<DateTime<Utc>>,
+    fields: Map<String, Value>,
+}
+
+/// Reads a pi session file (non-blank lines with their 1-based numbers)
+/// into one session: the path from the root to the last entry.
+pub fn convert(lines: &[(usize, String)]) -> Result<PiSession, PiError> {
+    let mut rest = lines.iter();
+    let Some((header_line, header_text)) = rest.next() else {
+        return Err(PiError::new(
+            1,
+            None,
+            "the file is empty; a pi session file starts with a `session` header line",
+        ));
+    };
+    let header = parse_object(*header_line, header_text)?;
+    let header = Header::read(*header_line, &header)?;
+    let session_id = session_id_for(&header.id);
+
+    let mut entries: Vec<Entry> = Vec::new();
+    let mut by_id: HashMap<String, usize> = HashMap::new();
+    for (n, text) in rest {
+        let mut fields = parse_object(*n, text)?;
+        let kind = match fields.remove("type") {
+            Some(Value::String(s)) => s,
+            None => return Err(PiError::new(*n, Some("type"), "missing field `type`")),
+            Some(other) => {
+                return Err(PiError::new(
+                    *n,
+                    Some("type"),
+                    format!("`type` must be a string, found {}", kind_of(&other)),
+                ))
+            }
+        };
+        if kind == "session" {
+            return Err(PiError::new(
+                *n,
+                Some("type"),
+                format!(
+                    "a second `session` header (the header is line {header_line}); a file holds one session"
+                ),
+            ));
+        }
+        let legacy = header.version < 2;
+        let id = match fields.remove("id") {
+            Some(Value::String(s)) if !s.is_empty() => s,
+            None | Some(Value::Null) if legacy => format!("line-{n}"),
+            None | Some(Value::Null) => {
+                return Err(PiError::new(
+                    *n,
+                    Some("id"),
+                    format!(
+                        "missing field `id` (a version {} file's entries carry ids)",
+                        header.version
+                    ),
+                ))
+            }
+            Some(other) => {
+                return Err(PiError::new(
+                    *n,
+                    Some("id"),
+                    format!("`id` must be a non-empty string, found {}", shown(&other)),
+                ))
+            }
+        };
+        let parent = match fields.remove("parentId") {
+            Some(Value::String(s)) => Some(s),
+            Some(Value::Null) => None,
+            // Version 1 files are linear: pi links each entry to the one
+            // before it when it migrates them.
+            None if legacy => entries.last().map(|e| e.id.clone()),
+            None => None,
+            Some(other) => {
+                return Err(PiError::new(
+                    *n,
+                    Some("parentId"),
+                    format!(
+                        "`parentId` must be a string or null, found {}",
+                        kind_of(&other)
+                    ),
+                ))
+            }
+        };
+        if let Some(&earlier) = by_id.get(&id) {
+            return Err(PiError::new(
+                *n,
+                Some("id"),
+                format!(
+                    "entry id {id:?} is already used by line {}",
+                    entries[earlier].line
+                ),
+            ));
+        }
+        if let Some(p) = &parent {
+            if !by_id.contains_key(p) {
+                return Err(PiError::new(
+                    *n,
+                    Some("parentId"),
+                    format!(
+                        "`parentId` {p:?} names no earlier entry of the file (a parent comes before its children)"
+                    ),
+                ));
+            }
+        }
+        let time = timestamp(*n, fields.get("timestamp"), "timestamp")?;
+        by_id.insert(id.clone(), entries.len());
+        entries.push(Entry {
+            line: *n,
+            id,
+            parent,
+            kind,
+            time,
+            fields,
+        });
+    }
+
+    // The leaf is the last entry; walk to the root. Parents come earlier in
+    // the file, so the walk ends.
+    let mut path = Vec::new();
+    let mut cursor = entries.len().checked_sub(1);
+    while let Some(i) = cursor {
+        path.push(i);
+        cursor = entries[i].parent.as_ref().map(|p| by_id[p]);
+    }
+    path.reverse();
+
+    let mut builder = Builder {
+        session_id,
+        events: Vec::new(),
+        calls: HashMap::new(),
+        catalog: BTreeSet::new(),
+        first_row: vec![None; path.len()],
+        path_pos: path.iter().enumerate().map(|(pos, &i)| (i, pos)).collect(),
+    };
+    builder.events.push(PiEvent {
+        line: *header_line,
+        entry_id: None,
+        event: NewEvent {
+            event_id: Some(uuid_v5(session_id, "session")),
+            recorded_at: header.timestamp,
+            body: EventBody::SessionStarted {
+                mode: MODE.to_owned(),
+                metadata: Some(header.metadata()),
+            },
+        },
+    });
+    for (pos, &i) in path.iter().enumerate() {
+        builder.entry(pos, &entries[i], &entries, &by_id, header.version)?;
+    }
+    Ok(PiSession {
+        session_id,
+        events: builder.events,
+        entries: entries.len(),
+        off_path: entries.len() - path.len(),
+    })
+}
+
+/// The header line.
+struct Header {
+    id: String,
+    version: u64,
+    timestamp: Option<DateTime<Utc>>,
+    fields: Map<String, Value>,
+}
+
+impl Header {
+    fn read(line: usize, fields: &Map<String, Value>) -> Result<Header, PiError> {
+        match fields.get("type") {
+            Some(Value::String(t)) if t == "session" => {}
+            found => {
+                let found = found.map(shown).unwrap_or_else(|| "no `type`".to_owned());
+                return Err(PiError::new(
+                    line,
+                    Some("type"),
+                    format!(
+                        "missing the pi session header: the first line must be {{\"type\":\"session\",\"id\":…}}, found {found}"
+                    ),
+                ));
+            }
+        }
+        let id = match fields.get("id") {
+            Some(Value::String(s)) if !s.is_empty() => s.clone(),
+            None => {
+                return Err(PiError::new(
+                    line,
+                    Some("id"),
+                    "the session header has no `id`",
+                ))
+            }
+            Some(other) => {
+                return Err(PiError::new(
+                    line,
+                    Some("id"),
+                    format!(
+                        "the session header's `id` must be a non-empty string, found {}",
+                        shown(other)
+                    ),
+                ))
+            }
+        };
+        let version = match fields.get("version") {
+            None | Some(Value::Null) => 1,
+            Some(v) => match v.as_u64() {
+                Some(n) if n >= 1 => n,
+                _ => {
+                    return Err(PiError::new(
+                        line,
+                        Some("version"),
+                        format!("`version` must be a positive integer, found {}", shown(v)),
+                    ))
+                }
+            },
+        };
+        if version > CURRENT_VERSION {
+            tracing::warn!(
+                version,
+                "pi session file newer than version {CURRENT_VERSION}; reading it as version {CURRENT_VERSION}"
+            );
+        }
+        Ok(Header {
+            id,
+            version,
+            timestamp: timestamp(line, fields.get("timestamp"), "timestamp")?,
+            fields: fields.clone(),
+        })
+    }
+
+    /// What `session_started` keeps of the header: only header fields, so a
+    /// longer version of the file yields the same first event.
+    fn metadata(&self) -> Map<String, Value> {
+        let mut m = Map::new();
+        m.insert("source".into(), Value::String("pi".into()));
+        m.insert("pi_session_id".into(), Value::String(self.id.clone()));
+        m.insert("pi_version".into(), Value::from(self.version));
+        for (from, to) in [
+            ("cwd", "cwd"),
+            ("timestamp", "started_at"),
+            ("parentSession", "parent_session"),
+            ("branchedFrom", "parent_session"),
+        ] {
+            if let Some(v @ Value::String(_)) = self.fields.get(from) {
+                m.insert(to.into(), v.clone());
+            }
+        }
+        m
+    }
+}
+
+/// The mapping state along the path.
+struct Builder {
+    session_id: Uuid,
+    events: Vec<PiEvent>,
+    /// Tool calls on the path: id -> (tool name, line, answered on line).
+    calls: HashMap<String, (String, usize, Option<usize>)>,
+    /// The deferred catalog so far: every name a successful result added.
+    catalog: BTreeSet<String>,
+    /// For each path position, the index in `events` of its first row.
+    first_row: Vec<Option<usize>>,
+    /// Entry index -> path position, for entries on the path.
+    path_pos: HashMap<usize, usize>,
+}
+
+impl Builder {
+    fn push(&mut self, pos: usize, entry: &Entry, suffix: &str, body: EventBody) {
+        if body.is_row() && self.first_row[pos].is_none() {
+            self.first_row[pos] = Some(self.events.len());
+        }
+        self.events.push(PiEvent {
+            line: entry.line,
+            entry_id: Some(entry.id.clone()),
+            event: NewEvent {
+                event_id: Some(uuid_v5(self.session_id, &format!("{}#{suffix}", entry.id))),
+                recorded_at: entry.time,
+                body,
+            },
+        });
+    }
+
+    fn entry(
+        &mut self,
+        pos: usize,
+        entry: &Entry,
+        entries: &[Entry],
+        by_id: &HashMap<String, usize>,
+        version: u64,
+    ) -> Result<(), PiError> {
+        let line = entry.line;
+        match entry.kind.as_str() {
+            "message" => {
+                let message = match entry.fields.get("message") {
+                    Some(Value::Object(m)) => m,
+                    Some(other) => {
+                        return Err(PiError::new(
+                            line,
+                            Some("message"),
+                            format!("`message` must be an object, found {}", kind_of(other)),
+                        ))
+                    }
+                    None => {
+                        return Err(PiError::new(
+                            line,
+                            Some("message"),
+                            "missing field `message`",
+                        ))
+                    }
+                };
+                self.message(pos, entry, message, version)
+            }
+            "custom_message" => {
+                let text = content_text(line, entry.fields.get("content"), "content")?;
+                self.push(pos, entry, "0", EventBody::PromptSubmitted { text });
+                Ok(())
+            }
+            "branch_summary" => {
+                match entry.fields.get("summary") {
+                    Some(Value::String(s)) if !s.is_empty() => {
+                        let text = format!("[branch summary]\n{s}");
+                        self.push(pos, entry, "0", EventBody::PromptSubmitted { text });
+                    }
+                    // pi leaves an empty summary out of the context.
+                    None | Some(Value::Null) | Some(Value::String(_)) => {}
+                    Some(other) => {
+                        return Err(PiError::new(
+                            line,
+                            Some("summary"),
+                            format!("`summary` must be a string, found {}", kind_of(other)),
+                        ))
+                    }
+                }
+                Ok(())
+            }
+            "compaction" => self.compaction(pos, entry, entries, by_id),
+            // model_change, thinking_level_change, custom, label,
+            // session_info, and entry types pi may add later: not part of
+            // what the model sees (docs/pi-import.md).
+            _ => Ok(()),
+        }
+    }
+
+    fn message(
+        &mut self,
+        pos: usize,
+        entry: &Entry,
+        message: &Map<String, Value>,
+        version: u64,
+    ) -> Result<(), PiError> {
+        let line = entry.line;
+        let role = match message.get("role") {
+            Some(Value::String(r)) => r.as_str(),
+            None => {
+                return Err(PiError::new(
+                    line,
+                    Some("message.role"),
+                    "missing field `message.role`",
+                ))
+            }
+            Some(other) => {
+                return Err(PiError::new(
+                    line,
+                    Some("message.role"),
+                    format!("`message.role` must be a string, found {}", kind_of(other)),
+                ))
+            }
+        };
+        match role {
+            "user" => {
+                let text = content_text(line, message.get("content"), "message.content")?;
+                self.push(pos, entry, "0", EventBody::PromptSubmitted { text });
+            }
+            "assistant" => self.assistant(pos, entry, message)?,
+            "toolResult" => self.tool_result(pos, entry, message)?,
+            "custom" => {
+                let text = content_text(line, message.get("content"), "message.content")?;
+                self.push(pos, entry, "0", EventBody::PromptSubmitted { text });
+            }
+            // Version 3 renamed `hookMessage` to `custom`.
+            "hookMessage" if version < 3 => {
+                let text = content_text(line, message.get("content"), "message.content")?;
+                self.push(pos, entry, "0", EventBody::PromptSubmitted { text });
+            }
+            "bashExecution" => {
+                if message.get("excludeFromContext") == Some(&Value::Bool(true)) {
+                    return Ok(());
+                }
+                let command = string_field(line, message, "command", "message.command")?;
+                let output = match message.get("output") {
+                    None | Some(Value::Null) => String::new(),
+                    Some(Value::String(s)) => s.clone(),
+                    Some(other) => {
+                        return Err(PiError::new(
+                            line,
+                            Some("message.output"),
+                            format!("`message.output` must be a string, found {}", kind_of(other)),
+                        ))
+                    }
+                };
+                let mut text = format!("Ran `{command}`\n```\n{output}\n```");
+                if message.get("cancelled") == Some(&Value::Bool(true)) {
+                    text.push_str("\n(command cancelled)");
+                } else if let Some(code) = message.get("exitCode").and_then(Value::as_i64) {
+                    if code != 0 {
+                        text.push_str(&format!("\nCommand exited with code {code}"));
+                    }
+                }
+                self.push(pos, entry, "0", EventBody::PromptSubmitted { text });
+            }
+            "branchSummary" => {
+                let summary = string_field(line, message, "summary", "message.summary")?;
+                if !summary.is_empty() {
+                    let text = format!("[branch summary]\n{summary}");
+                    self.push(pos, entry, "0", EventBody::PromptSubmitted { text });
+                }
+            }
+            // pi builds these in memory from compaction entries; the
+            // compaction entry is what is imported.
+            "compactionSummary" => {}
+            other => {
+                return Err(PiError::new(
+                    line,
+                    Some("message.role"),
+                    format!(
+                        "unknown message role {other:?}; expected user, assistant, toolResult, bashExecution, custom or branchSummary"
+                    ),
+                ))
+            }
+        }
+        Ok(())
+    }
+
+    fn assistant(
+        &mut self,
+        pos: usize,
+        entry: &Entry,
+        message: &Map<String, Value>,
+    ) -> Result<(), PiError> {
+        let line = entry.line;
+        let blocks = match message.get("content") {
+            Some(Value::Array(b)) => b.as_slice(),
+            Some(Value::String(s)) => {
+                if !s.is_empty() {
+                    let text = s.clone();
+                    self.push(pos, entry, "0", EventBody::AssistantMessage { text });
+                }
+                return Ok(());
+            }
+            None | Some(Value::Null) => &[],
+            Some(other) => {
+                return Err(PiError::new(
+                    line,
+                    Some("message.content"),
+                    format!(
+                        "`message.content` must be an array of blocks, found {}",
+                        kind_of(other)
+                    ),
+                ))
+            }
+        };
+        let mut n = 0;
+        let mut text: Vec<&str> = Vec::new();
+        for (i, block) in blocks.iter().enumerate() {
+            let field = |name: &str| format!("message.content[{i}].{name}");
+            let Value::Object(block) = block else {
+                return Err(PiError::new(
+                    line,
+                    Some(&format!("message.content[{i}]")),
+                    format!(
+                        "a content block must be an object, found {}",
+                        kind_of(block)
+                    ),
+                ));
+            };
+            match block.get("type").and_then(Value::as_str) {
+                Some("text") => match block.get("text") {
+                    Some(Value::String(s)) => text.push(s),
+                    _ => {
+                        return Err(PiError::new(
+                            line,
+                            Some(&field("text")),
+                            "a text block needs a string `text`",
+                        ))
+                    }
+                },
+                Some("toolCall") => {
+                    self.flush_text(pos, entry, &mut text, &mut n);
+                    let call_id = string_field(line, block, "id", &field("id"))?;
+                    let tool_name = string_field(line, block, "name", &field("name"))?;
+                    if call_id.is_empty() {
+                        return Err(PiError::new(
+                            line,
+                            Some(&field("id")),
+                            "a tool call's `id` must not be empty",
+                        ));
+                    }
+                    if let Some((_, at, _)) = self.calls.get(&call_id) {
+                        return Err(PiError::new(
+                            line,
+                            Some(&field("id")),
+                            format!(
+                                "tool call id {call_id:?} is already used by the call at line {at}"
+                            ),
+                        ));
+                    }
+                    let input = block.get("arguments").cloned().unwrap_or(Value::Null);
+                    self.calls
+                        .insert(call_id.clone(), (tool_name.clone(), line, None));
+                    self.push(
+                        pos,
+                        entry,
+                        &n.to_string(),
+                        EventBody::ToolCall {
+                            call_id,
+                            tool_name,
+                            input,
+                        },
+                    );
+                    n += 1;
+                }
+                // Thinking is the model's scratch work, not a transcript
+                // row; image and unknown blocks carry no text to keep.
+                _ => {}
+            }
+        }
+        self.flush_text(pos, entry, &mut text, &mut n);
+        Ok(())
+    }
+
+    /// Consecutive text blocks become one `assistant_message`.
+    fn flush_text(&mut self, pos: usize, entry: &Entry, text: &mut Vec<&str>, n: &mut usize) {
+        let joined = text.join("\n");
+        text.clear();
+        if joined.is_empty() {
+            return;
+        }
+        self.push(
+            pos,
+            entry,
+            &n.to_string(),
+            EventBody::AssistantMessage { text: joined },
+        );
+        *n += 1;
+    }
+
+    fn tool_result(
+        &mut self,
+        pos: usize,
+        entry: &Entry,
+        message: &Map<String, Value>,
+    ) -> Result<(), PiError> {
+        let line = entry.line;
+        let call_id = string_field(line, message, "toolCallId", "message.toolCallId")?;
+        let Some((call_name, call_line, answered)) = self.calls.get(&call_id).cloned() else {
+            return Err(PiError::new(
+                line,
+                Some("message.toolCallId"),
+                format!(
+                    "tool result for call {call_id:?}, but no earlier assistant message on the session's path made that call"
+                ),
+            ));
+        };
+        if let Some(at) = answered {
+            return Err(PiError::new(
+                line,
+                Some("message.toolCallId"),
+                format!(
+                    "the call {call_id:?} (line {call_line}) already has a result at line {at}"
+                ),
+            ));
+        }
+        let tool_name = match message.get("toolName") {
+            None | Some(Value::Null) => call_name.clone(),
+            Some(Value::String(s)) if *s == call_name => s.clone(),
+            Some(Value::String(s)) => {
+                return Err(PiError::new(
+                    line,
+                    Some("message.toolName"),
+                    format!(
+                        "`toolName` {s:?} differs from the tool {call_name:?} that the call {call_id:?} (line {call_line}) named"
+                    ),
+                ))
+            }
+            Some(other) => {
+                return Err(PiError::new(
+                    line,
+                    Some("message.toolName"),
+                    format!("`message.toolName` must be a string, found {}", kind_of(other)),
+                ))
+            }
+        };
+        let is_error = match message.get("isError") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(other) => {
+                return Err(PiError::new(
+                    line,
+                    Some("message.isError"),
+                    format!(
+                        "`message.isError` must be a boolean, found {}",
+                        kind_of(other)
+                    ),
+                ))
+            }
+        };
+        let mut added: Vec<String> = Vec::new();
+        let details_names = message
+            .get("details")
+            .and_then(Value::as_object)
+            .and_then(|d| d.get("addedToolNames"));
+        for (names, field) in [
+            (details_names, "message.details.addedToolNames"),
+            (message.get("addedToolNames"), "message.addedToolNames"),
+        ] {
+            match names {
+                None | Some(Value::Null) => {}
+                Some(Value::Array(items)) => {
+                    for (i, item) in items.iter().enumerate() {
+                        let Value::String(name) = item else {
+                            return Err(PiError::new(
+                                line,
+                                Some(&format!("{field}[{i}]")),
+                                format!("a tool name must be a string, found {}", kind_of(item)),
+                            ));
+                        };
+                        if !added.contains(name) {
+                            added.push(name.clone());
+                        }
+                    }
+                }
+                Some(other) => {
+                    return Err(PiError::new(
+                        line,
+                        Some(field),
+                        format!(
+                            "`{field}` must be an array of names, found {}",
+                            kind_of(other)
+                        ),
+                    ))
+                }
+            }
+        }
+        if let Some(call) = self.calls.get_mut(&call_id) {
+            call.2 = Some(line);
+        }
+        // A failed result gives no evidence (§7), so its names are dropped
+        // rather than rejected.
+        let added = if is_error || added.is_empty() {
+            None
+        } else {
+            Some(added)
+        };
+        if let Some(names) = &added {
+            let before = self.catalog.len();
+            self.catalog.extend(names.iter().cloned());
+            if self.catalog.len() > before {
+                let deferred_tools = self.catalog.iter().cloned().collect();
+                self.push(
+                    pos,
+                    entry,
+                    "catalog",
+                    EventBody::CatalogDefined {
+                        mode: MODE.to_owned(),
+                        deferred_tools,
+                    },
+                );
+            }
+        }
+        self.push(
+            pos,
+            entry,
+            "0",
+            EventBody::ToolResult {
+                call_id,
+                tool_name,
+                status: if is_error {
+                    ToolStatus::Error
+                } else {
+                    ToolStatus::Success
+                },
+                output: message.get("content").cloned(),
+                added_tool_names: added,
+            },
+        );
+        Ok(())
+    }
+
+    fn compaction(
+        &mut self,
+        pos: usize,
+        entry: &Entry,
+        entries: &[Entry],
+        by_id: &HashMap<String, usize>,
+    ) -> Result<(), PiError> {
+        let line = entry.line;
+        let summary = string_field(line, &entry.fields, "summary", "summary")?;
+        let tokens_before = match entry.fields.get("tokensBefore") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(v.as_i64().ok_or_else(|| {
+                PiError::new(
+                    line,
+                    Some("tokensBefore"),
+                    format!("`tokensBefore` must be an integer, found {}", shown(v)),
+                )
+            })?),
+        };
+        let kept_index = match entry.fields.get("firstKeptEntryId") {
+            Some(Value::String(id)) => Some(*by_id.get(id).ok_or_else(|| {
+                PiError::new(
+                    line,
+                    Some("firstKeptEntryId"),
+                    format!("`firstKeptEntryId` {id:?} names no entry of the file"),
+                )
+            })?),
+            None | Some(Value::Null) => match entry.fields.get("firstKeptEntryIndex") {
+                // Version 1 files count entries of the file, the header
+                // being entry 0 (pi's migration reads them so).
+                Some(Value::Number(i)) => i
+                    .as_u64()
+                    .and_then(|i| usize::try_from(i).ok())
+                    .and_then(|i| i.checked_sub(1))
+                    .filter(|i| *i < entries.len()),
+                _ => None,
+            },
+            Some(other) => {
+                return Err(PiError::new(
+                    line,
+                    Some("firstKeptEntryId"),
+                    format!(
+                        "`firstKeptEntryId` must be a string, found {}",
+                        kind_of(other)
+                    ),
+                ))
+            }
+        };
+        let first_kept_event_id = match kept_index {
+            None => None,
+            Some(i) => {
+                let kept_pos = self.path_pos.get(&i).copied().filter(|p| *p < pos);
+                let Some(kept_pos) = kept_pos else {
+                    return Err(PiError::new(
+                        line,
+                        Some("firstKeptEntryId"),
+                        format!(
+                            "`firstKeptEntryId` {:?} (line {}) is not on the session's path before this compaction",
+                            entries[i].id, entries[i].line
+                        ),
+                    ));
+                };
+                // The first row made from the kept entry or, when it made
+                // none (a model change, a thinking-only reply), from the
+                // entries after it.
+                self.first_row[kept_pos..pos]
+                    .iter()
+                    .flatten()
+                    .next()
+                    .and_then(|&e| self.events[e].event.event_id)
+            }
+        };
+        self.push(
+            pos,
+            entry,
+            "0",
+            EventBody::Compaction {
+                summary,
+                first_kept_event_id,
+                tokens_before,
+            },
+        );
+        Ok(())
+    }
+}
+
+fn parse_object(line: usize, text: &str) -> Result<Map<String, Value>, PiError> {
+    match serde_json::from_str::<Value>(text) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(other) => Err(PiError::new(
+            line,
+            None,
+            format!(
+                "a pi entry must be a JSON object, found {}",
+                kind_of(&other)
+            ),
+        )),
+        Err(e) => Err(PiError::new(line, None, format!("malformed JSON: {e}"))),
+    }
+}
+
+fn timestamp(
+    line: usize,
+    value: Option<&Value>,
+    field: &str,
+) -> Result<Option<DateTime<Utc>>, PiError> {
+    match value {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => DateTime::parse_from_rfc3339(s)
+            .map(|t| Some(t.with_timezone(&Utc)))
+            .map_err(|_| {
+                PiError::new(
+                    line,
+                    Some(field),
+                    format!("`{field}` is not an ISO 8601 / RFC 3339 time: {s:?}"),
+                )
+            }),
+        Some(other) => Err(PiError::new(
+            line,
+            Some(field),
+            format!("`{field}` must be a time string, found {}", kind_of(other)),
+        )),
+    }
+}
+
+fn string_field(
+    line: usize,
+    map: &Map<String, Value>,
+    key: &str,
+    field: &str,
+) -> Result<String, PiError> {
+    match map.get(key) {
+        Some(Value::String(s)) => Ok(s.clone()),
+        None | Some(Value::Null) => Err(PiError::new(
+            line,
+            Some(field),
+            format!("missing field `{field}`"),
+        )),
+        Some(other) => Err(PiError::new(
+            line,
+            Some(field),
+            format!("`{field}` must be a string, found {}", kind_of(other)),
+        )),
+    }
+}
+
+/// The text of a user-side `content`: a string, or text blocks joined by
+/// newlines, an image block standing as `[image: MIME]`.
+fn content_text(line: usize, content: Option<&Value>, field: &str) -> Result<String, PiError> {
+    match content {
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(blocks)) => {
+            let mut parts = Vec::new();
+            for (i, block) in blocks.iter().enumerate() {
+                match block.get("type").and_then(Value::as_str) {
+                    Some("text") => match block.get("text") {
+                        Some(Value::String(s)) => parts.push(s.clone()),
+                        _ => {
+                            return Err(PiError::new(
+                                line,
+                                Some(&format!("{field}[{i}].text")),
+                                "a text block needs a string `text`",
+                            ))
+                        }
+                    },
+                    Some("image") => {
+                        let mime = block
+                            .get("mimeType")
+                            .and_then(Value::as_str)
+                            .unwrap_or("unknown type");
+                        parts.push(format!("[image: {mime}]"));
+                    }
+                    _ => {}
+                }
+            }
+            Ok(parts.join("\n"))
+        }
+        None | Some(Value::Null) => Err(PiError::new(
+            line,
+            Some(field),
+            format!("missing field `{field}`"),
+        )),
+        Some(other) => Err(PiError::new(
+            line,
+            Some(field),
+            format!(
+                "`{field}` must be a string or an array of blocks, found {}",
+                kind_of(other)
+            ),
+        )),
+    }
+}
+
+fn kind_of(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// A short rendering of a value for messages.
+fn shown(v: &Value) -> String {
+    let text = v.to_string();
+    if text.chars().count() > 40 {
+        format!("{}…", text.chars().take(40).collect::<String>())
+    } else {
+        text
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The mapping of docs/pi-import.md, on small files written inline.
+
+    use super::*;
+
+    const HEADER: &str = r#"{"type":"session","version":3,"id":"s-1","timestamp":"2025-01-01T00:00:00Z","cwd":"/p"}"#;
+
+    fn lines(text: &[&str]) -> Vec<(usize, String)> {
+        text.iter()
+            .enumerate()
+            .map(|(i, l)| (i + 1, (*l).to_owned()))
+            .collect()
+    }
+
+    fn convert_ok(text: &[&str]) -> PiSession {
+        convert(&lines(text)).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn bodies(s: &PiSession) -> Vec<EventBody> {
+        s.events.iter().map(|e| e.event.body.clone()).collect()
+    }
+
+    fn err(text: &[&str]) -> PiError {
+        convert(&lines(text)).expect_err("should be rejected")
+    }
+
+    fn user(id: &str, parent: Option<&str>, text: &str) -> String {
+        let parent = parent.map_or("null".to_owned(), |p| format!("{p:?}"));
+        format!(
+            r#"{{"type":"message","id":"{id}","parentId":{parent},"timestamp":"2025-01-01T00:00:01Z","message":{{"role":"user","content":"{text}"}}}}"#
+        )
+    }
+
+    #[test]
+    fn ids_are_derived_so_a_second_conversion_is_identical() {
+        let u = user("e1", None, "hi");
+        let a = convert_ok(&[HEADER, &u]);
+        let b = convert_ok(&[HEADER, &u]);
+        assert_eq!(a, b);
+        assert_eq!(a.session_id, uuid_v5(NAMESPACE, "s-1"));
+        assert_eq!(a.session_id.get_version_num(), 5);
+        assert_eq!(
+            a.events[1].event.event_id,
+            Some(uuid_v5(a.session_id, "e1#0"))
+        );
+        // A UUID pi id is the session id itself.
+        let h = r#"{"type":"session","version":3,"id":"0b6a3f1e-6c1d-4e8a-9f2b-1a2b3c4d5e01"}"#;
+        assert_eq!(
+            convert_ok(&[h]).session_id.to_string(),
+            "0b6a3f1e-6c1d-4e8a-9f2b-1a2b3c4d5e01"
+        );
+    }
+
+    #[test]
+    fn uuid_v5_matches_the_rfc_example() {
+        // RFC 9562 appendix A.4: "www.example.com" in the DNS namespace.
+        let dns = Uuid::parse_str("6ba7b810-9dad-11d1-80b4-00c04fd430c8").unwrap();
+        assert_eq!(
+            uuid_v5(dns, "www.example.com").to_string(),
+            "2ed6657d-e927-568b-95e1-2665a8aea6a2"
+        );
+    }
+
+    #[test]
+    fn assistant_text_blocks_merge_around_tool_calls_and_thinking_is_dropped() {
+        let u = user("e1", None, "go");
+        let a = r#"{"type":"message","id":"e2","parentId":"e1","message":{"role":"assistant","content":[{"type":"text","text":"a"},{"type":"thinking","thinking":"hm"},{"type":"text","text":"b"},{"type":"toolCall","id":"c1","name":"read","arguments":{"path":"x"}},{"type":"text","text":"c"}]}}"#;
+        let s = convert_ok(&[HEADER, &u, a]);
+        let b = bodies(&s);
+        assert_eq!(
+            b[2],
+            EventBody::AssistantMessage {
+                text: "a\nb".into()
+            }
+        );
+        assert!(matches!(&b[3], EventBody::ToolCall { call_id, .. } if call_id == "c1"));
+        assert_eq!(b[4], EventBody::AssistantMessage { text: "c".into() });
+        // Each event of one entry has its own id.
+        let ids: BTreeSet<_> = s.events.iter().map(|e| e.event.event_id).collect();
+        assert_eq!(ids.len(), s.events.len());
+    }
+
+    #[test]
+    fn added_tool_names_may_sit_in_details_or_on_the_message() {
+        let u = user("e1", None, "go");
+        let a = r#"{"type":"message","id":"e2","parentId":"e1","message":{"role":"assistant","content":[{"type":"toolCall","id":"c1","name":"ToolSearch","arguments":{}}]}}"#;
+        let r = r#"{"type":"message","id":"e3","parentId":"e2","message":{"role":"toolResult","toolCallId":"c1","toolName":"ToolSearch","content":[],"isError":false,"details":{"addedToolNames":["b","a"]},"addedToolNames":["a","c"]}}"#;
+        let b = bodies(&convert_ok(&[HEADER, &u, a, r]));
+        assert_eq!(
+            b[3],
+            EventBody::CatalogDefined {
+                mode: MODE.into(),
+                deferred_tools: vec!["a".into(), "b".into(), "c".into()],
+            }
+        );
+        assert!(matches!(&b[4], EventBody::ToolResult {
+            status: ToolStatus::Success,
+            added_tool_names: Some(n), ..
+        } if n == &["b", "a", "c"]));
+    }
+
+    #[test]
+    fn user_side_entries_become_prompts_and_bookkeeping_entries_nothing() {
+        let u = user("e1", None, "go");
+        let rest = [
+            r#"{"type":"message","id":"e2","parentId":"e1","message":{"role":"bashExecution","command":"ls","output":"a.txt","exitCode":2,"cancelled":false,"truncated":false}}"#,
+            r#"{"type":"message","id":"e3","parentId":"e2","message":{"role":"bashExecution","command":"secret","output":"x","exitCode":0,"excludeFromContext":true}}"#,
+            r#"{"type":"custom_message","id":"e4","parentId":"e3","customType":"ext","content":[{"type":"text","text":"injected"},{"type":"image","data":"AA==","mimeType":"image/png"}],"display":false}"#,
+            r#"{"type":"custom","id":"e5","parentId":"e4","customType":"ext","data":{"n":1}}"#,
+            r#"{"type":"session_info","id":"e6","parentId":"e5","name":"demo"}"#,
+            r#"{"type":"model_change","id":"e7","parentId":"e6","provider":"openai","modelId":"gpt-4o"}"#,
+            r#"{"type":"some_future_entry","id":"e8","parentId":"e7"}"#,
+        ];
+        let mut file = vec![HEADER, u.as_str()];
+        file.extend(rest);
+        let b = bodies(&convert_ok(&file));
+        assert_eq!(b.len(), 4, "{b:?}");
+        assert_eq!(
+            b[2],
+            EventBody::PromptSubmitted {
+                text: "Ran `ls`\n```\na.txt\n```\nCommand exited with code 2".into()
+            }
+        );
+        assert_eq!(
+            b[3],
+            EventBody::PromptSubmitted {
+                text: "injected\n[image: image/png]".into()
+            }
+        );
+    }
+
+    #[test]
+    fn a_version_1_file_is_linear_and_counts_kept_entries_by_index() {
+        let h =
+            r#"{"type":"session","id":"old","timestamp":"2024-12-03T14:00:00.000Z","cwd":"/p"}"#;
+        let file = [
+            h,
+            r#"{"type":"message","timestamp":"2024-12-03T14:00:01.000Z","message":{"role":"user","content":"one"}}"#,
+            r#"{"type":"message","timestamp":"2024-12-03T14:00:02.000Z","message":{"role":"assistant","content":[{"type":"text","text":"two"}]}}"#,
+            r#"{"type":"message","timestamp":"2024-12-03T14:00:03.000Z","message":{"role":"user","content":"three"}}"#,
+            r#"{"type":"compaction","timestamp":"2024-12-03T14:00:04.000Z","summary":"s","firstKeptEntryIndex":3,"tokensBefore":5}"#,
+        ];
+        let s = convert_ok(&file);
+        let b = bodies(&s);
+        assert_eq!(b.len(), 5);
+        let EventBody::Compaction {
+            first_kept_event_id,
+            ..
+        } = &b[4]
+        else {
+            panic!("{b:?}")
+        };
+        assert_eq!(*first_kept_event_id, s.events[3].event.event_id);
+    }
+
+    #[test]
+    fn a_first_kept_entry_that_makes_no_row_keeps_from_the_next_row() {
+        let u = user("e1", None, "one");
+        let file = [
+            HEADER,
+            &u,
+            r#"{"type":"model_change","id":"e2","parentId":"e1","provider":"x","modelId":"y"}"#,
+            &user("e3", Some("e2"), "two"),
+            r#"{"type":"compaction","id":"e4","parentId":"e3","summary":"s","firstKeptEntryId":"e2","tokensBefore":1}"#,
+        ];
+        let s = convert_ok(&file);
+        let EventBody::Compaction {
+            first_kept_event_id,
+            ..
+        } = &s.events[3].event.body
+        else {
+            panic!()
+        };
+        assert_eq!(*first_kept_event_id, s.events[2].event.event_id);
+        // Nothing between the kept entry and the compaction: keep none.
+        let file = [
+            HEADER,
+            &u,
+            r#"{"type":"model_change","id":"e2","parentId":"e1","provider":"x","modelId":"y"}"#,
+            r#"{"type":"compaction","id":"e4","parentId":"e2","summary":"s","firstKeptEntryId":"e2"}"#,
+        ];
+        let s = convert_ok(&file);
+        assert!(matches!(
+            s.events[2].event.body,
+            EventBody::Compaction {
+                first_kept_event_id: None,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn the_path_to_the_last_entry_is_the_session() {
+        let file = [
+            HEADER,
+            &user("e1", None, "root"),
+            &user("e2", Some("e1"), "left"),
+            &user("e3", Some("e1"), "right"),
+        ];
+        let s = convert_ok(&file);
+        assert_eq!(s.off_path, 1);
+        assert_eq!(
+            bodies(&s)[1..],
+            [
+                EventBody::PromptSubmitted {
+                    text: "root".into()
+                },
+                EventBody::PromptSubmitted {
+                    text: "right".into()
+                }
+            ]
+        );
+    }
+
+    #[test]
+    fn bad_input_names_line_and_field() {
+        assert_eq!(err(&[]).line, 1);
+        let e = err(&[HEADER, HEADER]);
+        assert_eq!((e.line, e.field.as_deref()), (2, Some("type")));
+        let e = err(&[r#"{"type":"session","version":3}"#]);
+        assert_eq!((e.line, e.field.as_deref()), (1, Some("id")));
+        let e = err(&[HEADER, r#"{"type":"message","parentId":null}"#]);
+        assert_eq!((e.line, e.field.as_deref()), (2, Some("id")));
+        let e = err(&[HEADER, &user("e1", None, "x"), &user("e2", Some("e9"), "y")]);
+        assert_eq!((e.line, e.field.as_deref()), (3, Some("parentId")));
+        let e = err(&[
+            HEADER,
+            r#"{"type":"message","id":"e1","parentId":null,"message":{"role":"robot","content":"x"}}"#,
+        ]);
+        assert_eq!((e.line, e.field.as_deref()), (2, Some("message.role")));
+        let e = err(&[
+            HEADER,
+            r#"{"type":"message","id":"e1","parentId":null,"timestamp":"yesterday","message":{"role":"user","content":"x"}}"#,
+        ]);
+        assert_eq!((e.line, e.field.as_deref()), (2, Some("timestamp")));
+        let e = err(&[
+            HEADER,
+            r#"{"type":"message","id":"e1","parentId":null,"message":{"role":"assistant","content":[{"type":"toolCall","id":"c","name":"a","arguments":{}},{"type":"toolCall","id":"c","name":"b","arguments":{}}]}}"#,
+        ]);
+        assert_eq!(
+            (e.line, e.field.as_deref()),
+            (2, Some("message.content[1].id"))
+        );
+        let call = r#"{"type":"message","id":"e1","parentId":null,"message":{"role":"assistant","content":[{"type":"toolCall","id":"c","name":"a","arguments":{}}]}}"#;
+        let wrong_name = r#"{"type":"message","id":"e2","parentId":"e1","message":{"role":"toolResult","toolCallId":"c","toolName":"b","content":[],"isError":false}}"#;
+        let e = err(&[HEADER, call, wrong_name]);
+        assert_eq!((e.line, e.field.as_deref()), (3, Some("message.toolName")));
+        let result = r#"{"type":"message","id":"e2","parentId":"e1","message":{"role":"toolResult","toolCallId":"c","toolName":"a","content":[],"isError":false}}"#;
+        let again = r#"{"type":"message","id":"e3","parentId":"e2","message":{"role":"toolResult","toolCallId":"c","toolName":"a","content":[],"isError":false}}"#;
+        let e = err(&[HEADER, call, result, again]);
+        assert_eq!(
+            (e.line, e.field.as_deref()),
+            (4, Some("message.toolCallId"))
+        );
+        let bad_names = r#"{"type":"message","id":"e2","parentId":"e1","message":{"role":"toolResult","toolCallId":"c","toolName":"a","content":[],"isError":false,"details":{"addedToolNames":["x",3]}}}"#;
+        let e = err(&[HEADER, call, bad_names]);
+        assert_eq!(
+            (e.line, e.field.as_deref()),
+            (3, Some("message.details.addedToolNames[1]"))
+        );
+        // A kept entry on another branch.
+        let e = err(&[
+            HEADER,
+            &user("e1", None, "root"),
+            &user("e2", Some("e1"), "left"),
+            r#"{"type":"compaction","id":"e3","parentId":"e1","summary":"s","firstKeptEntryId":"e2","tokensBefore":1}"#,
+        ]);
+        assert_eq!((e.line, e.field.as_deref()), (4, Some("firstKeptEntryId")));
+        let e = err(&[
+            HEADER,
+            &user("e1", None, "root"),
+            r#"{"type":"compaction","id":"e3","parentId":"e1","summary":"s","firstKeptEntryId":"e1","tokensBefore":1.5}"#,
+        ]);
+        assert_eq!((e.line, e.field.as_deref()), (3, Some("tokensBefore")));
+    }
+}

@@ -1,0 +1,329 @@
+//! The audit routes: `explain` and `refreshes` of one session (scope
+//! `read`, like every other read of a session) and the cross-session
+//! queries under `/v1/audit` (scope `audit`). Cross-session queries are
+//! always narrowed to the token's tenant: the store is asked with the
+//! tenant as a filter, so another tenant's rows are never read.
+
+use axum::extract::rejection::{PathRejection, QueryRejection};
+use axum::extract::{Path, Query, State};
+use axum::http::HeaderMap;
+use axum::Json;
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
+use uuid::Uuid;
+
+use super::auth::Scope;
+use super::error::{ApiError, ErrorBody};
+use super::{parse_session_id, query, Server, SessionPath};
+use crate::audit::{At, Explanation, Refresh};
+use crate::store::query::{
+    AnomalyKind, AnomalyPage, AnomalyQuery, ChangePage, ChangeQuery, EventPage, EventQuery,
+    Scope as Narrowing,
+};
+
+/// Query of `explain`.
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct ExplainQuery {
+    /// Answer as of this seq instead of the latest.
+    at_seq: Option<i64>,
+    /// Answer for the request of the K-th prompt (1-based); not with
+    /// `at_seq`.
+    at_prompt: Option<i64>,
+}
+
+/// Whether a deferred tool is in the activation set and why (docs/audit.md).
+#[utoipa::path(
+    get,
+    path = "/v1/sessions/{id}/explain/{tool}",
+    params(
+        ("id" = Uuid, Path, description = "The session"),
+        ("tool" = String, Path, description = "The deferred tool"),
+        ExplainQuery
+    ),
+    responses(
+        (status = 200, body = Explanation),
+        (status = 400, body = ErrorBody),
+        (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+        (status = 422, description = "`at_seq` or `at_prompt` out of range", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub(super) async fn explain(
+    State(server): State<Server>,
+    headers: HeaderMap,
+    path: Result<Path<(String, String)>, PathRejection>,
+    q: Result<Query<ExplainQuery>, QueryRejection>,
+) -> Result<Json<Explanation>, ApiError> {
+    let Path((id, tool)) =
+        path.map_err(|e| ApiError::bad_request(format!("bad path: {}", e.body_text())))?;
+    let (_, session_id) = server.session_for(&headers, Scope::Read, &id).await?;
+    let q = query(q)?;
+    let at = match (q.at_seq, q.at_prompt) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::bad_request(
+                "give at_seq or at_prompt, not both".to_owned(),
+            ))
+        }
+        (Some(n), None) => At::Seq(n),
+        (None, Some(k)) => At::Prompt(k),
+        (None, None) => At::Latest,
+    };
+    Ok(Json(
+        server.inner.store.explain(session_id, &tool, at).await?,
+    ))
+}
+
+/// Every refresh point of a session.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RefreshList {
+    /// The session.
+    session_id: Uuid,
+    /// In seq order.
+    refreshes: Vec<Refresh>,
+}
+
+/// Every refresh point of the session: the activation set after it and
+/// the difference from the previous one, with the reason of each removal.
+#[utoipa::path(
+    get,
+    path = "/v1/sessions/{id}/refreshes",
+    params(("id" = Uuid, Path, description = "The session")),
+    responses(
+        (status = 200, body = RefreshList),
+        (status = 400, body = ErrorBody),
+        (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub(super) async fn refreshes(
+    State(server): State<Server>,
+    headers: HeaderMap,
+    SessionPath(id): SessionPath,
+) -> Result<Json<RefreshList>, ApiError> {
+    let (_, session_id) = server.session_for(&headers, Scope::Read, &id).await?;
+    let mut refreshes = Vec::new();
+    server
+        .inner
+        .store
+        .refreshes(session_id, At::Latest, |r| {
+            refreshes.push(r);
+            Ok(())
+        })
+        .await?;
+    Ok(Json(RefreshList {
+        session_id,
+        refreshes,
+    }))
+}
+
+/// Narrowing shared by the `/v1/audit` queries.
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct AuditParams {
+    /// Only events of this type (`/v1/audit/events`).
+    #[serde(rename = "type")]
+    #[param(rename = "type")]
+    event_type: Option<String>,
+    /// Only this tool (`/v1/audit/changes`).
+    tool: Option<String>,
+    /// `added` or `removed` (`/v1/audit/changes`).
+    change: Option<String>,
+    /// unanswered_call, unknown_evidence_name or view_drift
+    /// (`/v1/audit/anomalies`, required there).
+    kind: Option<String>,
+    /// Only this session.
+    session: Option<String>,
+    /// Only rows recorded at or after this time (RFC 3339).
+    since: Option<DateTime<Utc>>,
+    /// Only rows recorded before this time (RFC 3339).
+    until: Option<DateTime<Utc>>,
+    /// Only events at this position or later (`/v1/audit/events`).
+    from_position: Option<i64>,
+    /// Only events at this position or earlier (`/v1/audit/events`).
+    to_position: Option<i64>,
+    /// The cursor of the previous page.
+    after: Option<String>,
+    /// Rows per page, 1 to 1000 (100 without it).
+    limit: Option<i64>,
+}
+
+impl AuditParams {
+    fn narrowing(&self, tenant: &str) -> Result<Narrowing, ApiError> {
+        Ok(Narrowing {
+            tenant: Some(tenant.to_owned()),
+            session: self.session.as_deref().map(parse_session_id).transpose()?,
+            since: self.since,
+            until: self.until,
+            limit: self.limit.unwrap_or(100),
+        })
+    }
+
+    fn refuse(&self, route: &str, fields: &[(&str, bool)]) -> Result<(), ApiError> {
+        match fields.iter().find(|(_, given)| *given) {
+            Some((name, _)) => Err(ApiError::bad_request(format!(
+                "`{name}` does not apply to {route}"
+            ))),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Events of the tenant's sessions in global order.
+#[utoipa::path(
+    get,
+    path = "/v1/audit/events",
+    params(AuditParams),
+    responses(
+        (status = 200, body = EventPage),
+        (status = 400, body = ErrorBody),
+        (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody),
+        (status = 422, description = "A filter out of range", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub(super) async fn audit_events(
+    State(server): State<Server>,
+    headers: HeaderMap,
+    q: Result<Query<AuditParams>, QueryRejection>,
+) -> Result<Json<EventPage>, ApiError> {
+    let principal = server.principal(&headers)?;
+    principal.require(Scope::Audit)?;
+    let q = query(q)?;
+    q.refuse(
+        "/v1/audit/events",
+        &[
+            ("tool", q.tool.is_some()),
+            ("change", q.change.is_some()),
+            ("kind", q.kind.is_some()),
+        ],
+    )?;
+    let after_position = match &q.after {
+        None => 0,
+        Some(a) => a
+            .parse()
+            .map_err(|_| ApiError::bad_request(format!("`after` {a:?} is not a position")))?,
+    };
+    let page = server
+        .inner
+        .store
+        .audit_events(&EventQuery {
+            scope: q.narrowing(&principal.tenant)?,
+            event_type: q.event_type.clone(),
+            from_position: q.from_position,
+            to_position: q.to_position,
+            after_position,
+        })
+        .await?;
+    Ok(Json(page))
+}
+
+/// Refresh points of the tenant's sessions where a tool entered or left
+/// the activation set.
+#[utoipa::path(
+    get,
+    path = "/v1/audit/changes",
+    params(AuditParams),
+    responses(
+        (status = 200, body = ChangePage),
+        (status = 400, body = ErrorBody),
+        (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody),
+        (status = 422, description = "A filter out of range", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub(super) async fn audit_changes(
+    State(server): State<Server>,
+    headers: HeaderMap,
+    q: Result<Query<AuditParams>, QueryRejection>,
+) -> Result<Json<ChangePage>, ApiError> {
+    let principal = server.principal(&headers)?;
+    principal.require(Scope::Audit)?;
+    let q = query(q)?;
+    q.refuse(
+        "/v1/audit/changes",
+        &[
+            ("type", q.event_type.is_some()),
+            ("kind", q.kind.is_some()),
+            ("from_position", q.from_position.is_some()),
+            ("to_position", q.to_position.is_some()),
+        ],
+    )?;
+    let page = server
+        .inner
+        .store
+        .audit_changes(&ChangeQuery {
+            scope: q.narrowing(&principal.tenant)?,
+            tool: q.tool.clone(),
+            change: q.change.clone(),
+            after: q.after.clone(),
+        })
+        .await?;
+    Ok(Json(page))
+}
+
+/// Anomalies of one kind in the tenant's sessions.
+#[utoipa::path(
+    get,
+    path = "/v1/audit/anomalies",
+    params(AuditParams),
+    responses(
+        (status = 200, body = AnomalyPage),
+        (status = 400, body = ErrorBody),
+        (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody),
+        (status = 422, description = "A filter out of range", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub(super) async fn audit_anomalies(
+    State(server): State<Server>,
+    headers: HeaderMap,
+    q: Result<Query<AuditParams>, QueryRejection>,
+) -> Result<Json<AnomalyPage>, ApiError> {
+    let principal = server.principal(&headers)?;
+    principal.require(Scope::Audit)?;
+    let q = query(q)?;
+    q.refuse(
+        "/v1/audit/anomalies",
+        &[
+            ("type", q.event_type.is_some()),
+            ("tool", q.tool.is_some()),
+            ("change", q.change.is_some()),
+            ("from_position", q.from_position.is_some()),
+            ("to_position", q.to_position.is_some()),
+        ],
+    )?;
+    let kind = match q.kind.as_deref() {
+        None => {
+            return Err(ApiError::bad_request(
+                "`kind` is required: unanswered_call, unknown_evidence_name or view_drift"
+                    .to_owned(),
+            ))
+        }
+        Some(k) => AnomalyKind::parse(k).ok_or_else(|| {
+            ApiError::bad_request(format!(
+                "unknown `kind` {k:?}: expected unanswered_call, unknown_evidence_name or view_drift"
+            ))
+        })?,
+    };
+    let page = server
+        .inner
+        .store
+        .audit_anomalies(&AnomalyQuery {
+            scope: q.narrowing(&principal.tenant)?,
+            kind,
+            after: q.after.clone(),
+        })
+        .await?;
+    Ok(Json(page))
+}

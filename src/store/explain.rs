@@ -1,0 +1,97 @@
+//! `explain` and `refreshes` on a stored session: one streaming pass over
+//! the log through [`crate::audit`], page by page, so the answer comes from
+//! the log alone (never from the view it audits) without holding the
+//! session in memory.
+
+use uuid::Uuid;
+
+use super::{Store, FOLD_PAGE};
+use crate::audit::{At, Auditor, Explanation, Refresh, RefreshTracker};
+use crate::error::{Error, Result};
+use crate::event::{EventBody, StoredEvent};
+
+impl Store {
+    /// Whether `tool` is in the activation set of `session_id` at `at`, and
+    /// why. Errors: [`Error::SessionNotFound`], [`Error::SeqOutOfRange`],
+    /// [`Error::PromptOutOfRange`].
+    pub async fn explain(&self, session_id: Uuid, tool: &str, at: At) -> Result<Explanation> {
+        let mut auditor = Auditor::new(session_id);
+        self.each_event(session_id, at, |e| {
+            auditor.apply(e);
+            Ok(())
+        })
+        .await?;
+        Ok(auditor.explain(tool))
+    }
+
+    /// Calls `sink` with every refresh point of the session up to `at`, in
+    /// seq order: the activation set after it and its difference from the
+    /// previous one. A `sink` error stops the pass and is returned.
+    pub async fn refreshes(
+        &self,
+        session_id: Uuid,
+        at: At,
+        mut sink: impl FnMut(Refresh) -> Result<()>,
+    ) -> Result<()> {
+        let mut tracker = RefreshTracker::new(session_id);
+        self.each_event(session_id, at, |e| match tracker.apply(e) {
+            Some(r) => sink(r),
+            None => Ok(()),
+        })
+        .await
+    }
+
+    /// Feeds the session's events from seq 1 up to `at` to `f`, a page at
+    /// a time.
+    async fn each_event(
+        &self,
+        session_id: Uuid,
+        at: At,
+        mut f: impl FnMut(&StoredEvent) -> Result<()>,
+    ) -> Result<()> {
+        let latest = self.head_seq(session_id).await?;
+        if latest == 0 {
+            return Err(Error::SessionNotFound(session_id));
+        }
+        let (target, prompt) = match at {
+            At::Latest => (latest, None),
+            At::Seq(n) if (1..=latest).contains(&n) => (n, None),
+            At::Seq(n) => {
+                return Err(Error::SeqOutOfRange {
+                    session_id,
+                    seq: n,
+                    latest,
+                })
+            }
+            At::Prompt(k) => (latest, Some(k)),
+        };
+        let mut prompts = 0;
+        let mut reached = false;
+        let mut after = 0;
+        'pages: while after < target {
+            let page = self
+                .history(session_id, after, FOLD_PAGE.min(target - after))
+                .await?;
+            let Some(last) = page.last() else { break };
+            after = last.seq;
+            for e in &page {
+                f(e)?;
+                if matches!(e.body, EventBody::PromptSubmitted { .. }) {
+                    prompts += 1;
+                    if prompt == Some(prompts) {
+                        reached = true;
+                        break 'pages;
+                    }
+                }
+            }
+        }
+        match prompt {
+            Some(k) if !reached => Err(Error::PromptOutOfRange {
+                session_id,
+                prompt: k,
+                prompts,
+            }),
+            _ => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,707 @@
+//! Cross-session audit queries (docs/audit.md): events by type, session,
+//! time and position; where tools entered or left activation sets; and
+//! anomalies. Every query is paged by a cursor and read through an index
+//! (the plans are in docs/audit.md); every query can be restricted to one
+//! tenant, which the HTTP server always does.
+//!
+//! The SQL is written once, generic over the backend: [`Dialect`] binds
+//! the two column types the backends store differently (ids and times).
+
+use std::collections::{HashMap, HashSet};
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::{Postgres, QueryBuilder, Sqlite};
+use uuid::Uuid;
+
+use super::{Backend, ChangeRow, Store, DEFAULT_TENANT};
+use crate::error::{Error, Result, Rule, ValidationError};
+use crate::event::{EventBody, StoredEvent, EVENT_TYPES};
+
+/// The most rows one page returns.
+pub const MAX_PAGE: i64 = 1_000;
+
+/// How many `tool_result` rows one page of the unknown-names check reads
+/// at most, whatever it finds (the cursor says where to go on).
+const NAME_SCAN: i64 = 2_000;
+
+/// Binds ids and times as each backend stores them.
+pub(crate) trait Dialect: sqlx::Database {
+    fn push_uuid(q: &mut QueryBuilder<'_, Self>, id: Uuid);
+    fn push_time(q: &mut QueryBuilder<'_, Self>, t: DateTime<Utc>);
+}
+
+impl Dialect for Sqlite {
+    fn push_uuid(q: &mut QueryBuilder<'_, Self>, id: Uuid) {
+        q.push_bind(id.to_string());
+    }
+    fn push_time(q: &mut QueryBuilder<'_, Self>, t: DateTime<Utc>) {
+        q.push_bind(super::sqlite::sqlite_time(&t));
+    }
+}
+
+impl Dialect for Postgres {
+    fn push_uuid(q: &mut QueryBuilder<'_, Self>, id: Uuid) {
+        q.push_bind(id);
+    }
+    fn push_time(q: &mut QueryBuilder<'_, Self>, t: DateTime<Utc>) {
+        q.push_bind(t);
+    }
+}
+
+/// What every audit query can be narrowed by.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Scope {
+    /// Only this tenant's sessions (`None`: every tenant, for the CLI).
+    pub tenant: Option<String>,
+    /// Only this session.
+    pub session: Option<Uuid>,
+    /// Only rows recorded at or after this time.
+    pub since: Option<DateTime<Utc>>,
+    /// Only rows recorded before this time.
+    pub until: Option<DateTime<Utc>>,
+    /// Rows per page (1 to [`MAX_PAGE`]).
+    pub limit: i64,
+}
+
+/// `audit events`: events in global order.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EventQuery {
+    /// Tenant, session, time range, page size.
+    pub scope: Scope,
+    /// Only events of this type.
+    pub event_type: Option<String>,
+    /// Only events at this position or later.
+    pub from_position: Option<i64>,
+    /// Only events at this position or earlier.
+    pub to_position: Option<i64>,
+    /// The cursor: events after this position.
+    pub after_position: i64,
+}
+
+/// A page of events and the cursor of the next page (`None` at the end).
+#[derive(Clone, Debug, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct EventPage {
+    /// In position order.
+    pub events: Vec<StoredEvent>,
+    /// Pass as `after_position` for the next page; `null` when this page
+    /// reached the end.
+    pub next_after_position: Option<i64>,
+}
+
+/// `audit changes`: where deferred tools entered or left activation sets.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ChangeQuery {
+    /// Tenant, session, time range, page size.
+    pub scope: Scope,
+    /// Only this tool.
+    pub tool: Option<String>,
+    /// Only `added` or only `removed`.
+    pub change: Option<String>,
+    /// The cursor: rows after this one (see [`ChangePage::next`]).
+    pub after: Option<String>,
+}
+
+/// A page of activation changes.
+#[derive(Clone, Debug, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct ChangePage {
+    /// In position order, then by tool.
+    pub changes: Vec<ChangeRow>,
+    /// Pass as `after` for the next page; `null` at the end.
+    pub next: Option<String>,
+}
+
+/// Which anomaly to look for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum AnomalyKind {
+    /// A `tool_call` with no `tool_result` (yet).
+    UnansweredCall,
+    /// A successful result whose `added_tool_names` names a tool that no
+    /// catalog of its session ever listed: it can never activate it.
+    UnknownEvidenceName,
+    /// A session whose view, calls index or activation changes disagree
+    /// with its log.
+    ViewDrift,
+}
+
+impl AnomalyKind {
+    /// Parses the spelling of the CLI and the query string.
+    pub fn parse(s: &str) -> Option<AnomalyKind> {
+        match s.replace('-', "_").as_str() {
+            "unanswered_call" | "unanswered_calls" => Some(AnomalyKind::UnansweredCall),
+            "unknown_evidence_name" | "unknown_evidence_names" => {
+                Some(AnomalyKind::UnknownEvidenceName)
+            }
+            "view_drift" => Some(AnomalyKind::ViewDrift),
+            _ => None,
+        }
+    }
+}
+
+/// `audit anomalies`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AnomalyQuery {
+    /// Tenant, session, time range, page size.
+    pub scope: Scope,
+    /// What to look for.
+    pub kind: AnomalyKind,
+    /// The cursor of the previous page's `next`.
+    pub after: Option<String>,
+}
+
+/// One anomaly.
+#[derive(Clone, Debug, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct Anomaly {
+    /// What was found.
+    pub kind: AnomalyKind,
+    /// The session.
+    pub session_id: Uuid,
+    /// The event concerned (`null` for a view drift).
+    pub seq: Option<i64>,
+    /// Its event id.
+    pub event_id: Option<Uuid>,
+    /// Its position.
+    pub position: Option<i64>,
+    /// Its time.
+    pub recorded_at: Option<DateTime<Utc>>,
+    /// The tools concerned: the unanswered call's tool, or the names no
+    /// catalog lists.
+    pub tools: Vec<String>,
+    /// The unanswered call's or the result's call id.
+    pub call_id: Option<String>,
+    /// The finding as a sentence.
+    pub detail: String,
+}
+
+/// A page of anomalies.
+#[derive(Clone, Debug, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct AnomalyPage {
+    /// What this page found (it may be empty while `next` is not: the
+    /// page stopped after reading its share of rows).
+    pub anomalies: Vec<Anomaly>,
+    /// Pass as `after` for the next page; `null` when the scan is done.
+    pub next: Option<String>,
+}
+
+fn bad(field: &str, message: String) -> Error {
+    Error::Invalid(ValidationError::new(
+        Rule::MistypedField,
+        Some(field),
+        message,
+    ))
+}
+
+impl Scope {
+    fn check(&self) -> Result<()> {
+        if !(1..=MAX_PAGE).contains(&self.limit) {
+            return Err(bad(
+                "limit",
+                format!(
+                    "`limit` must be between 1 and {MAX_PAGE}, not {}",
+                    self.limit
+                ),
+            ));
+        }
+        if let (Some(a), Some(b)) = (self.since, self.until) {
+            if a >= b {
+                return Err(bad(
+                    "until",
+                    format!("`until` ({b}) must be later than `since` ({a})"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// `AND …` for the scope's filters on the table aliased `t` (which has
+    /// `session_id` and `recorded_at`).
+    fn push<DB: Dialect>(&self, q: &mut QueryBuilder<'_, DB>, t: &str)
+    where
+        for<'a> String: sqlx::Encode<'a, DB> + sqlx::Type<DB>,
+    {
+        if let Some(s) = self.session {
+            q.push(format!(" AND {t}.session_id = "));
+            DB::push_uuid(q, s);
+        }
+        if let Some(since) = self.since {
+            q.push(format!(" AND {t}.recorded_at >= "));
+            DB::push_time(q, since);
+        }
+        if let Some(until) = self.until {
+            q.push(format!(" AND {t}.recorded_at < "));
+            DB::push_time(q, until);
+        }
+        if let Some(tenant) = &self.tenant {
+            // A session without an owner row belongs to the default tenant.
+            q.push(format!(
+                " AND COALESCE((SELECT o.tenant FROM session_owners o WHERE o.session_id = {t}.session_id), "
+            ));
+            q.push_bind(DEFAULT_TENANT.to_owned());
+            q.push(") = ");
+            q.push_bind(tenant.clone());
+        }
+    }
+}
+
+const EVENT_COLUMNS: &str =
+    "SELECT e.position, e.session_id, e.seq, e.event_id, e.payload, e.recorded_at FROM events e";
+
+fn events_sql<'a, DB: Dialect>(prefix: &str, q: &EventQuery) -> QueryBuilder<'a, DB>
+where
+    for<'b> String: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
+    for<'b> i64: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
+{
+    let mut b = QueryBuilder::new(format!("{prefix}{EVENT_COLUMNS}"));
+    b.push(" WHERE e.position > ");
+    b.push_bind(q.after_position);
+    if let Some(t) = &q.event_type {
+        b.push(" AND e.type = ");
+        b.push_bind(t.clone());
+    }
+    if let Some(p) = q.from_position {
+        b.push(" AND e.position >= ");
+        b.push_bind(p);
+    }
+    if let Some(p) = q.to_position {
+        b.push(" AND e.position <= ");
+        b.push_bind(p);
+    }
+    q.scope.push(&mut b, "e");
+    // Within one session seq order is position order (both grow with
+    // each commit), and (session_id, seq) is the index that finds it.
+    b.push(if q.scope.session.is_some() {
+        " ORDER BY e.session_id, e.seq LIMIT "
+    } else {
+        " ORDER BY e.position LIMIT "
+    });
+    b.push_bind(q.scope.limit);
+    b
+}
+
+fn changes_sql<'a, DB: Dialect>(
+    prefix: &str,
+    q: &ChangeQuery,
+    after: Option<(i64, String)>,
+) -> QueryBuilder<'a, DB>
+where
+    for<'b> String: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
+    for<'b> i64: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
+{
+    let mut b = QueryBuilder::new(format!(
+        "{prefix}SELECT c.position, c.tool, c.session_id, c.seq, c.recorded_at, c.change, c.evidence_seq \
+         FROM activation_changes c WHERE 1 = 1"
+    ));
+    if let Some((position, tool)) = after {
+        b.push(" AND (c.position > ");
+        b.push_bind(position);
+        b.push(" OR (c.position = ");
+        b.push_bind(position);
+        b.push(" AND c.tool > ");
+        b.push_bind(tool);
+        b.push("))");
+    }
+    if let Some(t) = &q.tool {
+        b.push(" AND c.tool = ");
+        b.push_bind(t.clone());
+    }
+    if let Some(c) = &q.change {
+        b.push(" AND c.change = ");
+        b.push_bind(c.clone());
+    }
+    q.scope.push(&mut b, "c");
+    b.push(" ORDER BY c.position, c.tool LIMIT ");
+    b.push_bind(q.scope.limit);
+    b
+}
+
+/// Unanswered calls: the `tool_call` events whose calls index row has no
+/// result, read through the partial index `calls_unanswered`.
+fn unanswered_sql<'a, DB: Dialect>(prefix: &str, scope: &Scope, after: i64) -> QueryBuilder<'a, DB>
+where
+    for<'b> String: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
+    for<'b> i64: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
+{
+    let mut b = QueryBuilder::new(format!("{prefix}{EVENT_COLUMNS}"));
+    b.push(
+        " JOIN calls c ON c.session_id = e.session_id AND c.call_seq = e.seq \
+         WHERE c.result_seq IS NULL AND e.position > ",
+    );
+    b.push_bind(after);
+    scope.push(&mut b, "e");
+    b.push(" ORDER BY e.position LIMIT ");
+    b.push_bind(scope.limit);
+    b
+}
+
+/// Successful results that carry `added_tool_names`, in position order.
+fn named_results_sql<'a, DB: Dialect>(
+    prefix: &str,
+    scope: &Scope,
+    after: i64,
+) -> QueryBuilder<'a, DB>
+where
+    for<'b> String: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
+    for<'b> i64: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
+{
+    let mut b = QueryBuilder::new(format!("{prefix}{EVENT_COLUMNS}"));
+    b.push(" WHERE e.type = 'tool_result' AND e.position > ");
+    b.push_bind(after);
+    // The stored text leaves absent fields out, so this skips results
+    // without names before they are parsed.
+    b.push(" AND e.payload LIKE '%\"added_tool_names\"%'");
+    scope.push(&mut b, "e");
+    b.push(" ORDER BY e.position LIMIT ");
+    b.push_bind(NAME_SCAN);
+    b
+}
+
+/// The `catalog_defined` events of these sessions.
+fn catalogs_sql<'a, DB: Dialect>(prefix: &str, sessions: &[Uuid]) -> QueryBuilder<'a, DB>
+where
+    for<'b> String: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
+{
+    let mut b = QueryBuilder::new(format!("{prefix}{EVENT_COLUMNS}"));
+    b.push(" WHERE e.type = 'catalog_defined' AND e.session_id IN (");
+    for (i, s) in sessions.iter().enumerate() {
+        if i > 0 {
+            b.push(", ");
+        }
+        DB::push_uuid(&mut b, *s);
+    }
+    b.push(") ORDER BY e.session_id, e.seq");
+    b
+}
+
+/// Session ids after a cursor, in id order, with the scope's tenant.
+fn sessions_sql<'a, DB: Dialect>(
+    prefix: &str,
+    scope: &Scope,
+    after: Option<Uuid>,
+) -> QueryBuilder<'a, DB>
+where
+    for<'b> String: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
+    for<'b> i64: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
+{
+    // Each session's first event, found through the (session_id, seq)
+    // index; sessions and their owners are few next to events.
+    let mut b = QueryBuilder::new(format!(
+        "{prefix}SELECT e.session_id FROM events e WHERE e.seq = 1"
+    ));
+    if let Some(a) = after {
+        b.push(" AND e.session_id > ");
+        DB::push_uuid(&mut b, a);
+    }
+    let scope = Scope {
+        since: None,
+        until: None,
+        ..scope.clone()
+    };
+    scope.push(&mut b, "e");
+    b.push(" ORDER BY e.session_id LIMIT ");
+    b.push_bind(scope.limit);
+    b
+}
+
+impl Store {
+    async fn fetch_events(&self, sql: Sql) -> Result<Vec<StoredEvent>> {
+        match (&self.backend, sql) {
+            (Backend::Sqlite(b), Sql::Sqlite(q)) => b.fetch_events(q).await,
+            (Backend::Postgres(b), Sql::Postgres(q)) => b.fetch_events(q).await,
+            _ => Err(Error::Database("query built for the other backend".into())),
+        }
+    }
+
+    fn sql(
+        &self,
+        sqlite: impl FnOnce() -> QueryBuilder<'static, Sqlite>,
+        postgres: impl FnOnce() -> QueryBuilder<'static, Postgres>,
+    ) -> Sql {
+        match &self.backend {
+            Backend::Sqlite(_) => Sql::Sqlite(sqlite()),
+            Backend::Postgres(_) => Sql::Postgres(postgres()),
+        }
+    }
+
+    /// One page of events across sessions (`audit events`).
+    pub async fn audit_events(&self, q: &EventQuery) -> Result<EventPage> {
+        q.scope.check()?;
+        if let Some(t) = &q.event_type {
+            if !EVENT_TYPES.contains(&t.as_str()) {
+                return Err(bad(
+                    "type",
+                    format!(
+                        "unknown event type {t:?}: expected one of {}",
+                        EVENT_TYPES.join(", ")
+                    ),
+                ));
+            }
+        }
+        let events = self
+            .fetch_events(self.sql(|| events_sql("", q), || events_sql("", q)))
+            .await?;
+        let next = (events.len() as i64 == q.scope.limit)
+            .then(|| events.last().map(|e| e.position))
+            .flatten();
+        Ok(EventPage {
+            events,
+            next_after_position: next,
+        })
+    }
+
+    /// One page of activation changes across sessions (`audit changes`).
+    pub async fn audit_changes(&self, q: &ChangeQuery) -> Result<ChangePage> {
+        q.scope.check()?;
+        if let Some(c) = &q.change {
+            if c != "added" && c != "removed" {
+                return Err(bad(
+                    "change",
+                    format!("`change` must be added or removed, not {c:?}"),
+                ));
+            }
+        }
+        let after = match &q.after {
+            None => None,
+            Some(cursor) => Some(
+                cursor
+                    .split_once(':')
+                    .and_then(|(p, t)| Some((p.parse::<i64>().ok()?, t.to_owned())))
+                    .ok_or_else(|| {
+                        bad(
+                            "after",
+                            format!("{cursor:?} is not a cursor of this query (POSITION:TOOL)"),
+                        )
+                    })?,
+            ),
+        };
+        let changes = match &self.backend {
+            Backend::Sqlite(b) => b.fetch_changes(changes_sql("", q, after.clone())).await?,
+            Backend::Postgres(b) => b.fetch_changes(changes_sql("", q, after.clone())).await?,
+        };
+        let next = (changes.len() as i64 == q.scope.limit)
+            .then(|| changes.last().map(|c| format!("{}:{}", c.position, c.tool)))
+            .flatten();
+        Ok(ChangePage { changes, next })
+    }
+
+    /// One page of anomalies of one kind (`audit anomalies`).
+    pub async fn audit_anomalies(&self, q: &AnomalyQuery) -> Result<AnomalyPage> {
+        q.scope.check()?;
+        match q.kind {
+            AnomalyKind::UnansweredCall => self.unanswered(q).await,
+            AnomalyKind::UnknownEvidenceName => self.unknown_names(q).await,
+            AnomalyKind::ViewDrift => self.drifted(q).await,
+        }
+    }
+
+    async fn unanswered(&self, q: &AnomalyQuery) -> Result<AnomalyPage> {
+        let after = position_cursor(q.after.as_deref())?;
+        let calls = self
+            .fetch_events(self.sql(
+                || unanswered_sql("", &q.scope, after),
+                || unanswered_sql("", &q.scope, after),
+            ))
+            .await?;
+        let next = (calls.len() as i64 == q.scope.limit)
+            .then(|| calls.last().map(|e| e.position.to_string()))
+            .flatten();
+        let anomalies = calls
+            .into_iter()
+            .map(|e| {
+                let (call_id, tool) = match &e.body {
+                    EventBody::ToolCall {
+                        call_id, tool_name, ..
+                    } => (call_id.clone(), tool_name.clone()),
+                    _ => (String::new(), String::new()),
+                };
+                Anomaly {
+                    kind: AnomalyKind::UnansweredCall,
+                    session_id: e.session_id,
+                    seq: Some(e.seq),
+                    event_id: Some(e.event_id),
+                    position: Some(e.position),
+                    recorded_at: Some(e.recorded_at),
+                    detail: format!("call {call_id:?} of {tool} at seq {} has no result", e.seq),
+                    tools: vec![tool],
+                    call_id: Some(call_id),
+                }
+            })
+            .collect();
+        Ok(AnomalyPage { anomalies, next })
+    }
+
+    async fn unknown_names(&self, q: &AnomalyQuery) -> Result<AnomalyPage> {
+        let mut after = position_cursor(q.after.as_deref())?;
+        let mut catalogs: HashMap<Uuid, HashSet<String>> = HashMap::new();
+        let mut anomalies = Vec::new();
+        let results = self
+            .fetch_events(self.sql(
+                || named_results_sql("", &q.scope, after),
+                || named_results_sql("", &q.scope, after),
+            ))
+            .await?;
+        let mut done = (results.len() as i64) < NAME_SCAN;
+        // One lookup of every catalog of the page's sessions.
+        let mut sessions: Vec<Uuid> = results.iter().map(|e| e.session_id).collect();
+        sessions.sort();
+        sessions.dedup();
+        for chunk in sessions.chunks(500) {
+            let defs = self
+                .fetch_events(self.sql(|| catalogs_sql("", chunk), || catalogs_sql("", chunk)))
+                .await?;
+            for d in defs {
+                if let EventBody::CatalogDefined { deferred_tools, .. } = d.body {
+                    catalogs
+                        .entry(d.session_id)
+                        .or_default()
+                        .extend(deferred_tools);
+                }
+            }
+        }
+        let none = HashSet::new();
+        for e in &results {
+            after = e.position;
+            let EventBody::ToolResult {
+                call_id,
+                added_tool_names: Some(names),
+                ..
+            } = &e.body
+            else {
+                continue;
+            };
+            let known = catalogs.get(&e.session_id).unwrap_or(&none);
+            let unknown: Vec<String> = names
+                .iter()
+                .filter(|n| !known.contains(*n))
+                .cloned()
+                .collect();
+            if unknown.is_empty() {
+                continue;
+            }
+            anomalies.push(Anomaly {
+                kind: AnomalyKind::UnknownEvidenceName,
+                session_id: e.session_id,
+                seq: Some(e.seq),
+                event_id: Some(e.event_id),
+                position: Some(e.position),
+                recorded_at: Some(e.recorded_at),
+                detail: format!(
+                    "the result at seq {} names {} that no catalog of the session lists",
+                    e.seq,
+                    unknown.join(", ")
+                ),
+                tools: unknown,
+                call_id: Some(call_id.clone()),
+            });
+            if anomalies.len() as i64 == q.scope.limit {
+                done = false;
+                break;
+            }
+        }
+        Ok(AnomalyPage {
+            anomalies,
+            next: (!done).then(|| after.to_string()),
+        })
+    }
+
+    async fn drifted(&self, q: &AnomalyQuery) -> Result<AnomalyPage> {
+        let after = match q.after.as_deref() {
+            None => None,
+            Some(c) => Some(Uuid::parse_str(c).map_err(|_| {
+                bad(
+                    "after",
+                    format!("{c:?} is not a cursor of this query (a session id)"),
+                )
+            })?),
+        };
+        let sessions = match &self.backend {
+            Backend::Sqlite(b) => b.fetch_sessions(sessions_sql("", &q.scope, after)).await?,
+            Backend::Postgres(b) => b.fetch_sessions(sessions_sql("", &q.scope, after)).await?,
+        };
+        let mut anomalies = Vec::new();
+        for s in &sessions {
+            if let Some(detail) = self.verify(*s).await? {
+                anomalies.push(Anomaly {
+                    kind: AnomalyKind::ViewDrift,
+                    session_id: *s,
+                    seq: None,
+                    event_id: None,
+                    position: None,
+                    recorded_at: None,
+                    tools: Vec::new(),
+                    call_id: None,
+                    detail,
+                });
+            }
+        }
+        let next = (sessions.len() as i64 == q.scope.limit)
+            .then(|| sessions.last().map(Uuid::to_string))
+            .flatten();
+        Ok(AnomalyPage { anomalies, next })
+    }
+}
+
+fn position_cursor(after: Option<&str>) -> Result<i64> {
+    match after {
+        None => Ok(0),
+        Some(c) => c.parse().map_err(|_| {
+            bad(
+                "after",
+                format!("{c:?} is not a cursor of this query (a position)"),
+            )
+        }),
+    }
+}
+
+/// An audit query whose plan [`Store::audit_plan`] shows (docs/audit.md).
+#[derive(Clone, Debug)]
+pub enum PlanOf<'a> {
+    /// `audit events`.
+    Events(&'a EventQuery),
+    /// `audit changes`.
+    Changes(&'a ChangeQuery),
+    /// `audit anomalies unanswered-call`.
+    UnansweredCalls(&'a Scope),
+    /// The scan of `audit anomalies unknown-evidence-name`.
+    NamedResults(&'a Scope),
+    /// Its per-session catalog lookup.
+    Catalogs(Uuid),
+    /// The session list of `audit anomalies view-drift`.
+    Sessions(&'a Scope),
+}
+
+impl Store {
+    /// The database's plan of one audit query, executed: PostgreSQL's
+    /// `EXPLAIN (ANALYZE, BUFFERS)`, SQLite's `EXPLAIN QUERY PLAN`. For
+    /// docs/audit.md and for operators checking an index is used.
+    pub async fn audit_plan(&self, of: PlanOf<'_>) -> Result<String> {
+        fn build<DB: Dialect>(prefix: &str, of: &PlanOf<'_>) -> QueryBuilder<'static, DB>
+        where
+            for<'b> String: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
+            for<'b> i64: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
+        {
+            match of {
+                PlanOf::Events(q) => events_sql(prefix, q),
+                PlanOf::Changes(q) => changes_sql(prefix, q, None),
+                PlanOf::UnansweredCalls(s) => unanswered_sql(prefix, s, 0),
+                PlanOf::NamedResults(s) => named_results_sql(prefix, s, 0),
+                PlanOf::Catalogs(id) => catalogs_sql(prefix, std::slice::from_ref(id)),
+                PlanOf::Sessions(s) => sessions_sql(prefix, s, None),
+            }
+        }
+        let lines = match &self.backend {
+            Backend::Sqlite(b) => b.fetch_plan(build("EXPLAIN QUERY PLAN ", &of)).await?,
+            Backend::Postgres(b) => {
+                b.fetch_plan(build("EXPLAIN (ANALYZE, BUFFERS) ", &of))
+                    .await?
+            }
+        };
+        Ok(lines.join("\n"))
+    }
+}
+
+/// A query built for one backend.
+enum Sql {
+    Sqlite(QueryBuilder<'static, Sqlite>),
+    Postgres(QueryBuilder<'static, Postgres>),
+}

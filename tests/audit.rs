@@ -1,0 +1,374 @@
+//! `explain` and `refreshes` through the real binary, on both backends,
+//! from a hand-written log (tests/fixtures/audit/reasons.jsonl) whose
+//! answers are worked out by hand in docs/audit.md: each reason of explain
+//! comes from a point of this log that produces it.
+
+mod common;
+
+use std::process::{Command, Output};
+
+use serde_json::{json, Value};
+
+const BIN: &str = env!("CARGO_BIN_EXE_session-store");
+const LOG: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/fixtures/audit/reasons.jsonl"
+);
+const S: &str = "5e55a0d1-0000-4000-8000-00000000a0d1";
+
+fn id(seq: u32) -> String {
+    format!("5e55a0d1-0000-4000-8000-{seq:012}")
+}
+
+fn run(url: &str, args: &[&str]) -> Output {
+    Command::new(BIN)
+        .arg("--database")
+        .arg(url)
+        .args(args)
+        .env_remove("DATABASE_URL")
+        .output()
+        .expect("run session-store")
+}
+
+fn json_of(o: &Output) -> Value {
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout).expect("one JSON object")
+}
+
+fn backends() -> Vec<(&'static str, common::TestDb)> {
+    let mut v = vec![("sqlite", common::sqlite_db())];
+    if let Some(db) = common::postgres_db() {
+        v.push(("postgres", db));
+    }
+    v
+}
+
+fn explain(url: &str, tool: &str, at: &[&str]) -> Value {
+    let mut args = vec!["explain", S, tool, "--json"];
+    args.extend_from_slice(at);
+    json_of(&run(url, &args))
+}
+
+#[test]
+fn explain_gives_each_reason_where_the_log_produces_it() {
+    for (backend, db) in backends() {
+        let url = db.url.as_str();
+        assert!(run(url, &["import", LOG]).status.success(), "{backend}");
+
+        // Active at prompt 2: the ToolSearch result at seq 6 named it.
+        let x = explain(url, "web_fetch", &["--at-prompt", "2"]);
+        assert_eq!(x["active"], true, "{backend}: {x}");
+        assert_eq!(
+            (x["as_of_seq"].clone(), x["as_of_prompt"].clone()),
+            (json!(9), json!(2))
+        );
+        assert_eq!(
+            x["evidence"],
+            json!({"seq": 6, "event_id": id(6), "call_id": "c1", "result_tool": "ToolSearch",
+                   "source": "search", "status": "success"}),
+            "{backend}"
+        );
+        assert_eq!(
+            x["catalog"],
+            json!({"mode": "agent", "seq": 2, "event_id": id(2)})
+        );
+        assert_eq!(x["reason"], Value::Null);
+
+        // Mode plan's catalog (seq 3) lacks it.
+        let x = explain(url, "web_fetch", &["--at-seq", "10"]);
+        assert_eq!(
+            x["reason"],
+            json!({"code": "not_in_mode_catalog", "mode": "plan",
+                   "catalog": {"mode": "plan", "seq": 3, "event_id": id(3)},
+                   "admitted_in_modes": ["agent"]}),
+            "{backend}"
+        );
+
+        // The agent catalog rebuilt at seq 12 dropped it.
+        let x = explain(url, "web_fetch", &["--at-prompt", "3"]);
+        assert_eq!(
+            x["reason"],
+            json!({"code": "dropped_by_catalog_rebuild", "mode": "agent",
+                   "rebuild": {"mode": "agent", "seq": 12, "event_id": id(12)},
+                   "previous": {"mode": "agent", "seq": 2, "event_id": id(2)}}),
+            "{backend}"
+        );
+
+        // The compaction at seq 14 removed image_view's evidence.
+        let x = explain(url, "image_view", &[]);
+        assert_eq!(x["as_of_seq"], 15);
+        assert_eq!(x["reason"]["code"], "compacted", "{backend}: {x}");
+        assert_eq!(x["reason"]["compaction_seq"], 14);
+        assert_eq!(x["reason"]["compaction_event_id"], json!(id(14)));
+        assert_eq!(x["reason"]["removed_evidence"]["seq"], 6);
+
+        // Only its own failed result at seq 8 named notebook_edit.
+        let x = explain(url, "notebook_edit", &[]);
+        assert_eq!(
+            x["reason"],
+            json!({"code": "only_unsuccessful", "total": 1, "results": [
+                {"seq": 8, "event_id": id(8), "call_id": "c2", "result_tool": "notebook_edit",
+                 "source": "own_result", "status": "error"}]}),
+            "{backend}"
+        );
+
+        // Nothing ever named mcp__x.
+        let x = explain(url, "mcp__x", &["--at-seq", "6"]);
+        assert_eq!(x["reason"], json!({"code": "never_evidenced"}), "{backend}");
+
+        // The table form is the sentence first.
+        let o = run(url, &["explain", S, "web_fetch", "--at-seq", "13"]);
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            text.starts_with(
+                "web_fetch is not active: the catalog of mode agent rebuilt at seq 12 dropped it"
+            ),
+            "{backend}: {text}"
+        );
+    }
+}
+
+#[test]
+fn refreshes_list_every_refresh_point_with_its_difference() {
+    for (backend, db) in backends() {
+        let url = db.url.as_str();
+        assert!(run(url, &["import", LOG]).status.success(), "{backend}");
+        let o = run(url, &["refreshes", S, "--json"]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let lines: Vec<Value> = String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let brief: Vec<Value> = lines
+            .iter()
+            .map(|r| {
+                let tools: Vec<Value> = r["tools"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|t| json!([t["name"], t["evidence_seq"]]))
+                    .collect();
+                let removed: Vec<Value> = r["removed"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| json!([x["name"], x["reason"]["code"]]))
+                    .collect();
+                json!([
+                    r["seq"],
+                    r["type"],
+                    r["prompt"],
+                    r["mode"],
+                    tools,
+                    r["added"],
+                    removed
+                ])
+            })
+            .collect();
+        assert_eq!(
+            brief,
+            vec![
+                json!([4, "prompt_submitted", 1, "agent", [], [], []]),
+                json!([
+                    9,
+                    "prompt_submitted",
+                    2,
+                    "agent",
+                    [["image_view", 6], ["web_fetch", 6]],
+                    ["image_view", "web_fetch"],
+                    []
+                ]),
+                json!([
+                    10,
+                    "mode_switched",
+                    2,
+                    "plan",
+                    [["image_view", 6]],
+                    [],
+                    [["web_fetch", "not_in_mode_catalog"]]
+                ]),
+                json!([
+                    11,
+                    "mode_switched",
+                    2,
+                    "agent",
+                    [["image_view", 6], ["web_fetch", 6]],
+                    ["web_fetch"],
+                    []
+                ]),
+                json!([
+                    13,
+                    "prompt_submitted",
+                    3,
+                    "agent",
+                    [["image_view", 6]],
+                    [],
+                    [["web_fetch", "dropped_by_catalog_rebuild"]]
+                ]),
+                json!([
+                    15,
+                    "prompt_submitted",
+                    4,
+                    "agent",
+                    [],
+                    [],
+                    [["image_view", "compacted"]]
+                ]),
+            ],
+            "{backend}"
+        );
+        assert_eq!(lines[2]["event_id"], json!(id(10)));
+
+        // Every refresh point's set is what `activations --at-seq` answers.
+        for r in &lines {
+            let seq = r["seq"].to_string();
+            let act = json_of(&run(url, &["activations", S, "--at-seq", &seq, "--json"]));
+            assert_eq!(act["tools"], r["tools"], "{backend} at seq {seq}");
+        }
+    }
+}
+
+#[test]
+fn explain_rejects_bad_points_with_a_sentence() {
+    let db = common::sqlite_db();
+    let url = db.url.as_str();
+    assert!(run(url, &["import", LOG]).status.success());
+    for (args, want) in [
+        (
+            vec!["explain", S, "web_fetch", "--at-prompt", "5"],
+            "there is no prompt 5",
+        ),
+        (
+            vec!["explain", S, "web_fetch", "--at-prompt", "0"],
+            "there is no prompt 0",
+        ),
+        (
+            vec!["explain", S, "web_fetch", "--at-seq", "16"],
+            "seq 16 is out of range",
+        ),
+        (vec!["explain", S, ""], "the tool name is empty"),
+        (
+            vec![
+                "explain",
+                "11111111-2222-4333-8444-555555555555",
+                "web_fetch",
+            ],
+            "not found",
+        ),
+        (vec!["refreshes", "nope"], "is not a session UUID"),
+    ] {
+        let o = run(url, &args);
+        assert_eq!(o.status.code(), Some(1), "{args:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn activation_changes_are_verified_rebuilt_and_backfilled() {
+    for (backend, db) in backends() {
+        let url = db.url.as_str();
+        assert!(run(url, &["import", LOG]).status.success(), "{backend}");
+        let changes = |url: &str| {
+            json_of(&run(url, &["audit", "changes", "--session", S, "--json"]))["changes"].clone()
+        };
+        let before = changes(url);
+        assert_eq!(before.as_array().unwrap().len(), 6, "{backend}: {before}");
+
+        // A forged row is drift that verify names, and rebuild repairs.
+        common::raw_sql(url, "DELETE FROM activation_changes WHERE seq = 13");
+        let o = run(url, &["verify", S]);
+        assert_eq!(o.status.code(), Some(5), "{backend}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            err.contains("activation changes differ"),
+            "{backend}: {err}"
+        );
+        assert!(run(url, &["rebuild", S]).status.success());
+        assert_eq!(changes(url), before, "{backend}");
+
+        // A store from before migration 0005: no rows, listed for backfill;
+        // the next open computes them.
+        common::raw_sql(url, "DELETE FROM activation_changes");
+        common::raw_sql(
+            url,
+            &format!("INSERT INTO changes_backfill (session_id) VALUES ('{S}')"),
+        );
+        assert_eq!(changes(url), before, "{backend}");
+        assert!(run(url, &["verify", S]).status.success(), "{backend}");
+    }
+}
+
+#[test]
+fn every_audit_query_reads_an_index_on_sqlite() {
+    use session_store::store::query::{ChangeQuery, EventQuery, PlanOf, Scope};
+    let db = common::sqlite_db();
+    assert!(run(&db.url, &["import", LOG]).status.success());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let store = session_store::Store::open(&db.url).await.unwrap();
+        let t = "2026-01-01T00:00:00Z".parse().unwrap();
+        let scope = |session, since| Scope {
+            tenant: Some("default".into()),
+            session,
+            since,
+            limit: 100,
+            ..Scope::default()
+        };
+        let session: uuid::Uuid = S.parse().unwrap();
+        let plain = scope(None, None);
+        let timed = scope(None, Some(t));
+        let typed = EventQuery {
+            scope: plain.clone(),
+            event_type: Some("compaction".into()),
+            ..EventQuery::default()
+        };
+        let by_session = EventQuery {
+            scope: scope(Some(session), None),
+            ..EventQuery::default()
+        };
+        let by_time = EventQuery {
+            scope: timed.clone(),
+            ..EventQuery::default()
+        };
+        let by_position = EventQuery {
+            scope: plain.clone(),
+            from_position: Some(3),
+            to_position: Some(9),
+            ..EventQuery::default()
+        };
+        let by_tool = ChangeQuery {
+            scope: plain.clone(),
+            tool: Some("web_fetch".into()),
+            ..ChangeQuery::default()
+        };
+        let changes_by_time = ChangeQuery {
+            scope: timed.clone(),
+            ..ChangeQuery::default()
+        };
+        for (name, of) in [
+            ("events by type", PlanOf::Events(&typed)),
+            ("events of a session", PlanOf::Events(&by_session)),
+            ("events by time", PlanOf::Events(&by_time)),
+            ("events by position", PlanOf::Events(&by_position)),
+            ("changes of a tool", PlanOf::Changes(&by_tool)),
+            ("changes by time", PlanOf::Changes(&changes_by_time)),
+            ("unanswered calls", PlanOf::UnansweredCalls(&plain)),
+            ("named results", PlanOf::NamedResults(&plain)),
+            ("catalogs", PlanOf::Catalogs(session)),
+            ("sessions", PlanOf::Sessions(&plain)),
+        ] {
+            let plan = store.audit_plan(of).await.unwrap();
+            // A bare `SCAN e` (no `USING …`) would read the whole table.
+            let full_scans: Vec<&str> = plan
+                .lines()
+                .filter(|l| l.starts_with("SCAN ") && !l.contains("USING"))
+                .collect();
+            assert!(full_scans.is_empty(), "{name}: {plan}");
+            assert!(
+                plan.contains("INDEX") || plan.contains("PRIMARY KEY"),
+                "{name}: {plan}"
+            );
+        }
+    });
+}

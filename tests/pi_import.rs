@@ -1,0 +1,502 @@
+//! `import --format pi` through the real binary, on both backends: the
+//! path to the leaf of a pi session file becomes one session (branches
+//! dropped, compaction kept from its first kept entry, `isError` and
+//! `details.addedToolNames` kept), re-import stores nothing twice, and a bad
+//! file fails naming its line and field and changes nothing. The fixtures
+//! under tests/fixtures/pi/ are written by hand from pi's session format
+//! description; docs/pi-import.md gives the mapping.
+
+mod common;
+
+use std::process::{Command, Output, Stdio};
+
+use serde_json::{json, Value};
+
+const BIN: &str = env!("CARGO_BIN_EXE_session-store");
+const PI: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/pi");
+
+const PLAIN: &str = "0b6a3f1e-6c1d-4e8a-9f2b-1a2b3c4d5e01";
+const COMPACTION: &str = "3c2d1e0f-4a5b-4c6d-8e7f-90a1b2c3d4e5";
+const TOOLS: &str = "7e8f9a0b-1c2d-4e3f-a4b5-c6d7e8f90a1b";
+
+fn run(url: &str, args: &[&str]) -> Output {
+    Command::new(BIN)
+        .arg("--database")
+        .arg(url)
+        .args(args)
+        .env_remove("DATABASE_URL")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run session-store")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn fixture(name: &str) -> String {
+    format!("{PI}/{name}.jsonl")
+}
+
+/// Imports a pi file that must succeed; returns the summary line.
+fn import(url: &str, path: &str) -> String {
+    let out = run(url, &["import", "--format", "pi", path]);
+    assert!(out.status.success(), "import {path}: {}", stderr(&out));
+    stdout(&out)
+}
+
+/// The session id an import summary names.
+fn session_of(summary: &str) -> String {
+    summary
+        .split("into session ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no session in {summary:?}"))
+        .to_owned()
+}
+
+fn json_of(url: &str, args: &[&str]) -> Value {
+    let out = run(url, args);
+    assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+    serde_json::from_str(&stdout(&out)).unwrap()
+}
+
+fn context(url: &str, session: &str) -> Value {
+    json_of(url, &["context", session, "--json"])
+}
+
+fn activations(url: &str, session: &str, at: Option<i64>) -> Value {
+    match at {
+        Some(n) => json_of(
+            url,
+            &["activations", session, "--at-seq", &n.to_string(), "--json"],
+        ),
+        None => json_of(url, &["activations", session, "--json"]),
+    }
+}
+
+/// Every stored event of a session, as `history --json` prints them.
+fn history(url: &str, session: &str) -> Vec<Value> {
+    let out = run(url, &["history", session, "--json"]);
+    assert!(out.status.success(), "history: {}", stderr(&out));
+    stdout(&out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// Every event of the store, in position order.
+fn feed(url: &str) -> String {
+    let out = run(url, &["tail", "--json"]);
+    assert!(out.status.success(), "tail: {}", stderr(&out));
+    stdout(&out)
+}
+
+/// A row as `(seq, type, text or call id)`.
+fn rows(ctx: &Value) -> Vec<(i64, String, String)> {
+    ctx["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            let what = r
+                .get("text")
+                .or_else(|| r.get("call_id"))
+                .and_then(Value::as_str)
+                .unwrap_or_default();
+            (
+                r["seq"].as_i64().unwrap(),
+                r["type"].as_str().unwrap().to_owned(),
+                what.to_owned(),
+            )
+        })
+        .collect()
+}
+
+fn row(seq: i64, ty: &str, what: &str) -> (i64, String, String) {
+    (seq, ty.to_owned(), what.to_owned())
+}
+
+fn tools(act: &Value) -> Vec<(String, i64)> {
+    act["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            (
+                t["name"].as_str().unwrap().to_owned(),
+                t["evidence_seq"].as_i64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+fn tool(name: &str, seq: i64) -> (String, i64) {
+    (name.to_owned(), seq)
+}
+
+/// Every backend available to this run: SQLite always, PostgreSQL unless
+/// skipped (never under CI=true).
+fn backends() -> Vec<(&'static str, common::TestDb)> {
+    let mut v = vec![("sqlite", common::sqlite_db())];
+    if let Some(db) = common::postgres_db() {
+        v.push(("postgres", db));
+    }
+    v
+}
+
+#[test]
+fn a_plain_session_becomes_its_transcript_rows_in_order() {
+    for (backend, db) in backends() {
+        // Given a linear pi session with a tool call, a model change, a
+        // thinking level change and a label,
+        let summary = import(&db.url, &fixture("plain"));
+        // then its UUID is the session id,
+        assert!(
+            summary.starts_with(&format!("imported 8 events into session {PLAIN}")),
+            "{backend}: {summary}"
+        );
+        // and messages become rows; thinking, model, thinking level and
+        // label entries none.
+        let ctx = context(&db.url, PLAIN);
+        assert_eq!(ctx["summary"], Value::Null, "{backend}");
+        assert_eq!(ctx["mode"], "agent", "{backend}");
+        assert_eq!(
+            rows(&ctx),
+            vec![
+                row(2, "prompt_submitted", "List the files in src"),
+                row(3, "assistant_message", "Let me look."),
+                row(4, "tool_call", "toolu_01"),
+                row(5, "tool_result", "toolu_01"),
+                row(6, "assistant_message", "src holds lib.rs and main.rs."),
+                row(7, "prompt_submitted", "Thanks!"),
+                row(8, "assistant_message", "You're welcome."),
+            ],
+            "{backend}"
+        );
+        let call = &ctx["rows"][2];
+        assert_eq!(call["tool_name"], "bash");
+        assert_eq!(call["input"], json!({"command": "ls src"}));
+        let result = &ctx["rows"][3];
+        assert_eq!(result["status"], "success");
+        assert_eq!(
+            result["output"],
+            json!([{"type": "text", "text": "lib.rs\nmain.rs"}])
+        );
+        // A core tool's result activates nothing.
+        assert_eq!(tools(&activations(&db.url, PLAIN, None)), vec![]);
+        // The header is kept as the session's metadata, entry times as
+        // event times.
+        let events = history(&db.url, PLAIN);
+        assert_eq!(events[0]["type"], "session_started");
+        assert_eq!(events[0]["metadata"]["source"], "pi");
+        assert_eq!(events[0]["metadata"]["pi_session_id"], PLAIN);
+        assert_eq!(events[0]["metadata"]["cwd"], "/home/dev/project");
+        assert_eq!(events[0]["recorded_at"], "2025-06-01T10:00:00Z");
+        assert_eq!(events[1]["recorded_at"], "2025-06-01T10:00:01Z");
+    }
+}
+
+#[test]
+fn a_branch_off_the_path_to_the_leaf_is_dropped() {
+    for (backend, db) in backends() {
+        // Given a session whose ToolSearch branch was left for another one
+        // (with a branch summary),
+        let summary = import(&db.url, &fixture("branch"));
+        assert!(
+            summary.contains("4 pi entries on other branches dropped"),
+            "{backend}: {summary}"
+        );
+        // the non-UUID pi id becomes a name-based UUID (version 5),
+        let session = session_of(&summary);
+        assert_eq!(&session[14..15], "5", "{session}");
+        // only the path to the last entry is imported,
+        let ctx = context(&db.url, &session);
+        assert_eq!(
+            rows(&ctx),
+            vec![
+                row(2, "prompt_submitted", "Hello"),
+                row(3, "assistant_message", "Hi, what shall we do?"),
+                row(
+                    4,
+                    "prompt_submitted",
+                    "[branch summary]\nThe user looked for a web fetching tool; ToolSearch added web_fetch."
+                ),
+                row(5, "prompt_submitted", "Instead, read README.md"),
+                row(6, "tool_call", "call_r1"),
+                row(7, "tool_result", "call_r1"),
+                row(8, "assistant_message", "The README says hello."),
+            ],
+            "{backend}"
+        );
+        // and the dropped branch's ToolSearch evidence activates nothing.
+        assert_eq!(tools(&activations(&db.url, &session, None)), vec![]);
+        let types: Vec<Value> = history(&db.url, &session)
+            .iter()
+            .map(|e| e["type"].clone())
+            .collect();
+        assert!(!types.contains(&json!("catalog_defined")), "{types:?}");
+    }
+}
+
+#[test]
+fn a_compaction_keeps_from_its_first_kept_entry_and_drops_summarized_evidence() {
+    for (backend, db) in backends() {
+        // Given ToolSearch adding web_fetch and web_search, both used, then
+        // a compaction whose first kept entry is a thinking level change
+        // just before the prompt "Fetch them",
+        import(&db.url, &fixture("compaction"));
+        let ctx = context(&db.url, COMPACTION);
+        // the context is the summary and the rows from that prompt on,
+        assert_eq!(
+            ctx["summary"],
+            "The user asked to research the payments API. ToolSearch added web_fetch and web_search; web_search found the docs URL.",
+            "{backend}"
+        );
+        assert_eq!(
+            rows(&ctx),
+            vec![
+                row(9, "prompt_submitted", "Fetch them"),
+                row(10, "tool_call", "call_3"),
+                row(11, "tool_result", "call_3"),
+                row(12, "assistant_message", "Fetched the docs."),
+                row(14, "prompt_submitted", "Summarize what you fetched"),
+                row(
+                    15,
+                    "assistant_message",
+                    "It documents creating and reading charges."
+                ),
+            ],
+            "{backend}"
+        );
+        let events = history(&db.url, COMPACTION);
+        let compaction = &events[12];
+        assert_eq!(compaction["type"], "compaction");
+        assert_eq!(compaction["tokens_before"], 12000);
+        assert_eq!(compaction["first_kept_event_id"], events[8]["event_id"]);
+        // web_fetch keeps the evidence of its own kept result; web_search's
+        // evidence was all summarized.
+        assert_eq!(
+            tools(&activations(&db.url, COMPACTION, None)),
+            vec![tool("web_fetch", 11)],
+            "{backend}"
+        );
+        // Before the compaction both were active.
+        assert_eq!(
+            tools(&activations(&db.url, COMPACTION, Some(12))),
+            vec![tool("web_fetch", 11), tool("web_search", 7)],
+            "{backend}"
+        );
+    }
+}
+
+#[test]
+fn a_tool_search_result_activates_its_added_names_and_error_results_nothing() {
+    for (backend, db) in backends() {
+        // Given a failed bash call, a failed ToolSearch that still lists a
+        // name, a successful one adding two names, a failed call of one of
+        // them and a successful call of the other,
+        import(&db.url, &fixture("tools"));
+        let act = activations(&db.url, TOOLS, None);
+        assert_eq!(
+            act,
+            json!({"session_id": TOOLS, "as_of_seq": 16, "mode": "agent", "tools": [
+                {"name": "mcp__github__create_issue", "evidence_seq": 10},
+                {"name": "mcp__github__list_issues", "evidence_seq": 14},
+            ]}),
+            "{backend}"
+        );
+        let ctx = context(&db.url, TOOLS);
+        let by_call = |id: &str| -> Value {
+            ctx["rows"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|r| r["type"] == "tool_result" && r["call_id"] == id)
+                .cloned()
+                .unwrap_or_else(|| panic!("no result for {id}"))
+        };
+        // isError becomes the status; a failed result keeps no names.
+        assert_eq!(by_call("call_b")["status"], "error");
+        let failed_search = by_call("call_s1");
+        assert_eq!(failed_search["status"], "error");
+        assert_eq!(
+            failed_search.get("added_tool_names").cloned(),
+            None,
+            "{failed_search}"
+        );
+        let search = by_call("call_s2");
+        assert_eq!(search["status"], "success");
+        assert_eq!(search["seq"], 10);
+        assert_eq!(
+            search["added_tool_names"],
+            json!(["mcp__github__create_issue", "mcp__github__list_issues"])
+        );
+        assert_eq!(by_call("call_g1")["status"], "error");
+        // Before the successful search nothing was active.
+        assert_eq!(tools(&activations(&db.url, TOOLS, Some(8))), vec![]);
+        // The names a search added make the deferred catalog, defined just
+        // before the result that added them.
+        let events = history(&db.url, TOOLS);
+        assert_eq!(events[8]["type"], "catalog_defined");
+        assert_eq!(
+            events[8]["deferred_tools"],
+            json!(["mcp__github__create_issue", "mcp__github__list_issues"])
+        );
+    }
+}
+
+#[test]
+fn reimport_stores_nothing_twice_and_a_longer_file_appends_only_the_rest() {
+    for (backend, db) in backends() {
+        // Given a pi file imported once,
+        for name in ["plain", "branch", "compaction", "tools"] {
+            import(&db.url, &fixture(name));
+        }
+        let before = feed(&db.url);
+        // importing each again stores nothing and changes nothing.
+        for name in ["plain", "branch", "compaction", "tools"] {
+            let summary = import(&db.url, &fixture(name));
+            assert!(
+                summary.starts_with("imported 0 events"),
+                "{backend} {name}: {summary}"
+            );
+        }
+        assert_eq!(feed(&db.url), before, "{backend}");
+
+        // Given the first lines of a session that pi went on writing,
+        let dir = tempfile::tempdir().unwrap();
+        let full = std::fs::read_to_string(fixture("tools")).unwrap();
+        let short: String = full.lines().take(6).map(|l| format!("{l}\n")).collect();
+        let short_path = dir.path().join("short.jsonl");
+        std::fs::write(&short_path, short).unwrap();
+        let other = common::sqlite_db();
+        let summary = import(&other.url, short_path.to_str().unwrap());
+        assert!(summary.starts_with("imported 7 events"), "{summary}");
+        // the whole file later appends only what is new,
+        let summary = import(&other.url, &fixture("tools"));
+        assert!(
+            summary.starts_with("imported 9 events") && summary.contains("(7 already stored"),
+            "{summary}"
+        );
+        // with the same ids and payloads as importing it at once.
+        let strip = |events: Vec<Value>| -> Vec<Value> {
+            events
+                .into_iter()
+                .map(|mut e| {
+                    e.as_object_mut().unwrap().remove("position");
+                    e
+                })
+                .collect()
+        };
+        assert_eq!(
+            strip(history(&other.url, TOOLS)),
+            strip(history(&db.url, TOOLS)),
+            "{backend}"
+        );
+    }
+}
+
+#[test]
+fn a_session_holding_another_branch_of_the_file_is_left_unchanged() {
+    for (backend, db) in backends() {
+        // Given the branch fixture imported,
+        let summary = import(&db.url, &fixture("branch"));
+        let session = session_of(&summary);
+        let before = feed(&db.url);
+        // a version of the file whose last entry is on the other branch
+        let dir = tempfile::tempdir().unwrap();
+        let full = std::fs::read_to_string(fixture("branch")).unwrap();
+        let other: String = full.lines().take(7).map(|l| format!("{l}\n")).collect();
+        let path = dir.path().join("other-branch.jsonl");
+        std::fs::write(&path, other).unwrap();
+        let out = run(
+            &db.url,
+            &["import", "--format", "pi", path.to_str().unwrap()],
+        );
+        // is refused, naming the first seq that differs,
+        assert_eq!(out.status.code(), Some(1), "{backend}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains(&format!("session {session} already holds events"))
+                && stderr(&out).contains("seq 4"),
+            "{backend}: {}",
+            stderr(&out)
+        );
+        // and stores nothing.
+        assert_eq!(feed(&db.url), before, "{backend}");
+    }
+}
+
+#[test]
+fn a_bad_file_fails_naming_line_and_field_and_changes_nothing() {
+    // (file, line, text the message must contain)
+    let cases = [
+        ("malformed", 3, "malformed JSON"),
+        ("no-header", 1, "missing the pi session header"),
+        ("dangling-parent", 4, "field `parentId`"),
+        ("duplicate-id", 4, "field `id`"),
+        ("unknown-call", 5, "field `message.toolCallId`"),
+        ("mistyped-is-error", 4, "field `message.isError`"),
+        ("kept-unknown", 6, "field `firstKeptEntryId`"),
+        // Caught by the store's own rule, reported in pi's terms.
+        ("kept-result", 11, "compaction-splits-call-from-result"),
+    ];
+    for (backend, db) in backends() {
+        // On an empty store, a bad file leaves it empty;
+        for (name, line, text) in cases {
+            let out = run(
+                &db.url,
+                &["import", "--format", "pi", &fixture(&format!("bad/{name}"))],
+            );
+            assert_eq!(
+                out.status.code(),
+                Some(1),
+                "{backend} {name}: {}",
+                stderr(&out)
+            );
+            let err = stderr(&out);
+            assert!(
+                err.contains(&format!("line {line}: ")) && err.contains(text),
+                "{backend} {name}: {err}"
+            );
+            assert_eq!(feed(&db.url), "", "{backend} {name}");
+        }
+        // on a store holding the good session the bad files share an id
+        // with, it leaves that session as it was.
+        import(&db.url, &fixture("plain"));
+        let before = feed(&db.url);
+        for (name, line, _) in cases {
+            let out = run(
+                &db.url,
+                &["import", "--format", "pi", &fixture(&format!("bad/{name}"))],
+            );
+            assert_eq!(
+                out.status.code(),
+                Some(1),
+                "{backend} {name}: {}",
+                stderr(&out)
+            );
+            assert!(
+                stderr(&out).contains(&format!("line {line}: ")),
+                "{backend} {name}: {}",
+                stderr(&out)
+            );
+            assert_eq!(feed(&db.url), before, "{backend} {name}");
+        }
+    }
+}
+
+#[test]
+fn the_default_format_is_still_json_lines() {
+    let db = common::sqlite_db();
+    // A pi file read as this store's JSON lines is rejected at line 1.
+    let out = run(&db.url, &["import", &fixture("plain")]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(stderr(&out).contains("line 1"), "{}", stderr(&out));
+    let out = run(&db.url, &["import", "--format", "yaml", &fixture("plain")]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+}

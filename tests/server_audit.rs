@@ -1,0 +1,325 @@
+//! The audit routes in-process, on both backends: explain and refreshes of
+//! a session (scope read), and the cross-session queries under /v1/audit
+//! (scope audit), which only ever see the token's tenant.
+
+mod common;
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{header, Method, Request, StatusCode};
+use axum::Router;
+use http_body_util::BodyExt;
+use serde_json::{json, Value};
+use session_store::server::{Server, ServerConfig, Tokens};
+use session_store::Store;
+use tower::ServiceExt;
+use uuid::Uuid;
+
+const TOKENS: &str = r#"{"tokens": [
+  {"token": "tenant-a-writer-0123456789", "tenant": "a", "scopes": ["read", "write"]},
+  {"token": "tenant-a-auditor-012345678", "tenant": "a", "scopes": ["audit"]},
+  {"token": "tenant-b-writer-0123456789", "tenant": "b", "scopes": ["read", "write"]},
+  {"token": "tenant-b-auditor-012345678", "tenant": "b", "scopes": ["audit"]}
+]}"#;
+const A_WRITER: &str = "tenant-a-writer-0123456789";
+const A_AUDITOR: &str = "tenant-a-auditor-012345678";
+const B_WRITER: &str = "tenant-b-writer-0123456789";
+const B_AUDITOR: &str = "tenant-b-auditor-012345678";
+
+async fn app(url: &str) -> Router {
+    let store = Arc::new(Store::open(url).await.expect("open store"));
+    let config = ServerConfig {
+        tokens: Some(Tokens::parse(TOKENS, "the test tokens").expect("tokens")),
+        ..ServerConfig::default()
+    };
+    Server::new(store, config).router()
+}
+
+async fn call(
+    app: &Router,
+    method: Method,
+    uri: &str,
+    token: &str,
+    body: Body,
+) -> (StatusCode, Value) {
+    let req = Request::builder()
+        .method(method)
+        .uri(uri)
+        .header(header::AUTHORIZATION, format!("Bearer {token}"))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(body)
+        .unwrap();
+    let response = app.clone().oneshot(req).await.unwrap();
+    let status = response.status();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
+}
+
+async fn get(app: &Router, uri: &str, token: &str) -> (StatusCode, Value) {
+    call(app, Method::GET, uri, token, Body::empty()).await
+}
+
+/// A session that searched for web_fetch, switched to a mode without it,
+/// and left a call unanswered and a result naming an uncatalogued tool.
+async fn seed(app: &Router, token: &str) -> Uuid {
+    let id = Uuid::new_v4();
+    let batch = json!({"expected_seq": 0, "events": [
+        {"type": "session_started", "mode": "code"},
+        {"type": "catalog_defined", "mode": "code", "deferred_tools": ["web_fetch"]},
+        {"type": "catalog_defined", "mode": "ask", "deferred_tools": []},
+        {"type": "prompt_submitted", "text": "one"},
+        {"type": "tool_call", "call_id": "c1", "tool_name": "ToolSearch", "input": {}},
+        {"type": "tool_result", "call_id": "c1", "tool_name": "ToolSearch", "status": "success",
+         "added_tool_names": ["web_fetch", "ghost_tool"]},
+        {"type": "prompt_submitted", "text": "two"},
+        {"type": "mode_switched", "mode": "ask"},
+        {"type": "tool_call", "call_id": "c2", "tool_name": "Read", "input": {}}
+    ]});
+    let (s, v) = call(
+        app,
+        Method::POST,
+        &format!("/v1/sessions/{id}/events"),
+        token,
+        Body::from(batch.to_string()),
+    )
+    .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    id
+}
+
+both_backends!(explain_and_refreshes_over_http, |url: String| async move {
+    let app = app(&url).await;
+    let id = seed(&app, A_WRITER).await;
+
+    let (s, v) = get(
+        &app,
+        &format!("/v1/sessions/{id}/explain/web_fetch?at_prompt=2"),
+        A_WRITER,
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["active"], true);
+    assert_eq!(v["evidence"]["seq"], 6);
+    assert_eq!(v["as_of_seq"], 7);
+
+    let (s, v) = get(
+        &app,
+        &format!("/v1/sessions/{id}/explain/web_fetch"),
+        A_WRITER,
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["reason"]["code"], "not_in_mode_catalog");
+    assert_eq!(v["reason"]["mode"], "ask");
+    assert_eq!(v["reason"]["admitted_in_modes"], json!(["code"]));
+
+    let (s, v) = get(&app, &format!("/v1/sessions/{id}/refreshes"), A_WRITER).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let seqs: Vec<i64> = v["refreshes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["seq"].as_i64().unwrap())
+        .collect();
+    assert_eq!(seqs, vec![4, 7, 8]);
+    assert_eq!(v["refreshes"][1]["added"], json!(["web_fetch"]));
+    assert_eq!(
+        v["refreshes"][2]["removed"][0]["reason"]["code"],
+        "not_in_mode_catalog"
+    );
+
+    // Statuses: out of range, both points, another tenant, no read scope.
+    let (s, v) = get(
+        &app,
+        &format!("/v1/sessions/{id}/explain/web_fetch?at_prompt=3"),
+        A_WRITER,
+    )
+    .await;
+    assert_eq!(
+        (s, v["error"].as_str()),
+        (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Some("prompt_out_of_range")
+        ),
+        "{v}"
+    );
+    let (s, v) = get(
+        &app,
+        &format!("/v1/sessions/{id}/explain/web_fetch?at_seq=99"),
+        A_WRITER,
+    )
+    .await;
+    assert_eq!(
+        (s, v["error"].as_str()),
+        (StatusCode::UNPROCESSABLE_ENTITY, Some("seq_out_of_range")),
+        "{v}"
+    );
+    let (s, _) = get(
+        &app,
+        &format!("/v1/sessions/{id}/explain/web_fetch?at_seq=2&at_prompt=1"),
+        A_WRITER,
+    )
+    .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    let (s, _) = get(
+        &app,
+        &format!("/v1/sessions/{id}/explain/web_fetch?at=2"),
+        A_WRITER,
+    )
+    .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    for uri in [
+        format!("/v1/sessions/{id}/explain/web_fetch"),
+        format!("/v1/sessions/{id}/refreshes"),
+    ] {
+        let (s, v) = get(&app, &uri, B_WRITER).await;
+        assert_eq!(
+            (s, v["error"].as_str()),
+            (StatusCode::NOT_FOUND, Some("not_found")),
+            "{uri}: {v}"
+        );
+        let (s, _) = get(&app, &uri, A_AUDITOR).await;
+        assert_eq!(s, StatusCode::FORBIDDEN, "{uri}");
+    }
+    let (s, _) = get(&app, "/v1/sessions/not-a-uuid/refreshes", A_WRITER).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+});
+
+both_backends!(
+    audit_queries_see_only_their_tenant,
+    |url: String| async move {
+        let app = app(&url).await;
+        let a = seed(&app, A_WRITER).await;
+        let b = seed(&app, B_WRITER).await;
+
+        // Events by type, paged with the cursor.
+        let (s, v) = get(
+            &app,
+            "/v1/audit/events?type=prompt_submitted&limit=1",
+            A_AUDITOR,
+        )
+        .await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        assert_eq!(v["events"].as_array().unwrap().len(), 1);
+        assert_eq!(v["events"][0]["session_id"], json!(a.to_string()));
+        let next = v["next_after_position"].as_i64().expect("a next page");
+        let (_, v) = get(
+            &app,
+            &format!("/v1/audit/events?type=prompt_submitted&limit=1&after={next}"),
+            A_AUDITOR,
+        )
+        .await;
+        assert_eq!(v["events"][0]["seq"], 7);
+        let (_, v) = get(
+            &app,
+            &format!(
+                "/v1/audit/events?type=prompt_submitted&limit=1&after={}",
+                v["next_after_position"]
+            ),
+            A_AUDITOR,
+        )
+        .await;
+        assert_eq!(v["events"], json!([]), "tenant b's prompts are not a's");
+        assert_eq!(v["next_after_position"], Value::Null);
+
+        // Asking for another tenant's session finds nothing.
+        let (_, v) = get(&app, &format!("/v1/audit/events?session={b}"), A_AUDITOR).await;
+        assert_eq!(v["events"], json!([]));
+        let (_, v) = get(&app, &format!("/v1/audit/events?session={b}"), B_AUDITOR).await;
+        assert_eq!(v["events"].as_array().unwrap().len(), 9);
+
+        // Activation changes of a tool.
+        let (s, v) = get(&app, "/v1/audit/changes?tool=web_fetch", A_AUDITOR).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        let got: Vec<Value> = v["changes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| json!([c["session_id"], c["seq"], c["change"]]))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                json!([a.to_string(), 7, "added"]),
+                json!([a.to_string(), 8, "removed"])
+            ]
+        );
+        let (_, v) = get(
+            &app,
+            "/v1/audit/changes?tool=web_fetch&change=removed",
+            B_AUDITOR,
+        )
+        .await;
+        assert_eq!(v["changes"].as_array().unwrap().len(), 1);
+        assert_eq!(v["changes"][0]["session_id"], json!(b.to_string()));
+
+        // A time range that ends before anything was written.
+        let (_, v) = get(
+            &app,
+            "/v1/audit/changes?until=2000-01-01T00:00:00Z",
+            A_AUDITOR,
+        )
+        .await;
+        assert_eq!(v["changes"], json!([]));
+
+        // Anomalies.
+        let (_, v) = get(&app, "/v1/audit/anomalies?kind=unanswered_call", A_AUDITOR).await;
+        let found: Vec<Value> = v["anomalies"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| json!([x["session_id"], x["call_id"]]))
+            .collect();
+        assert_eq!(found, vec![json!([a.to_string(), "c2"])]);
+        let (_, v) = get(
+            &app,
+            "/v1/audit/anomalies?kind=unknown_evidence_name",
+            B_AUDITOR,
+        )
+        .await;
+        assert_eq!(v["anomalies"].as_array().unwrap().len(), 1, "{v}");
+        assert_eq!(v["anomalies"][0]["tools"], json!(["ghost_tool"]));
+        assert_eq!(v["anomalies"][0]["session_id"], json!(b.to_string()));
+        let (_, v) = get(&app, "/v1/audit/anomalies?kind=view_drift", A_AUDITOR).await;
+        assert_eq!(v["anomalies"], json!([]));
+
+        // Scope and bad input.
+        let (s, _) = get(&app, "/v1/audit/events", A_WRITER).await;
+        assert_eq!(s, StatusCode::FORBIDDEN);
+        for bad in [
+            "/v1/audit/events?type=nope",
+            "/v1/audit/events?limit=0",
+            "/v1/audit/events?limit=5000",
+            "/v1/audit/changes?change=maybe",
+            "/v1/audit/events?since=2026-02-01T00:00:00Z&until=2026-01-01T00:00:00Z",
+        ] {
+            let (s, v) = get(&app, bad, A_AUDITOR).await;
+            assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY, "{bad}: {v}");
+            assert!(v["message"].as_str().unwrap().len() > 10, "{v}");
+        }
+        for bad in [
+            "/v1/audit/anomalies",
+            "/v1/audit/anomalies?kind=everything",
+            "/v1/audit/events?tool=web_fetch",
+            "/v1/audit/events?since=yesterday",
+            "/v1/audit/events?after=x",
+            "/v1/audit/changes?after=12",
+            "/v1/audit/events?session=../../etc",
+            "/v1/audit/events?color=red",
+        ] {
+            let (s, v) = get(&app, bad, A_AUDITOR).await;
+            assert!(
+                s == StatusCode::BAD_REQUEST || s == StatusCode::UNPROCESSABLE_ENTITY,
+                "{bad}: {s} {v}"
+            );
+            assert!(
+                v["message"].as_str().is_some_and(|m| m.len() > 10),
+                "{bad}: {v}"
+            );
+        }
+    }
+);
