@@ -17,7 +17,7 @@ use sqlx::sqlite::{
 use sqlx::{QueryBuilder, Sqlite, Transaction};
 use uuid::Uuid;
 
-use super::{CallRow, ChangeRow, LogTx, PendingRow, StoreOptions, ViewColumns, ViewRow};
+use super::{Accepted, CallRow, ChangeRow, LogTx, PendingRow, StoreOptions, ViewColumns, ViewRow};
 use crate::error::{Error, Result};
 use crate::event::{EventBody, StoredEvent};
 
@@ -30,6 +30,19 @@ type Row = (i64, String, i64, String, String, String);
 
 /// A [`Row`] with its chain hash.
 type HashedRow = (i64, String, i64, String, String, String, Option<String>);
+
+/// A [`HashedRow`] (seq optional) and whether it is the head row
+/// (`judge_reads`).
+type JudgeRow = (
+    i64,
+    String,
+    Option<i64>,
+    String,
+    String,
+    String,
+    Option<String>,
+    i64,
+);
 
 const COLUMNS: &str = "position, session_id, seq, event_id, payload, recorded_at";
 
@@ -294,6 +307,138 @@ impl LogTx for SqliteTx {
         .map_err(Error::from_sqlx)?;
         self.1 = Some(last_position);
         Ok((seq.unwrap_or(0), hash))
+    }
+
+    async fn judge_reads(
+        &mut self,
+        session_id: Uuid,
+        ids: &[Uuid],
+    ) -> Result<(Vec<StoredEvent>, i64, Option<String>)> {
+        if ids.len() > INSERT_CHUNK {
+            let stored = self.stored_by_ids(ids).await?;
+            let (head, hash) = self.head(session_id).await?;
+            return Ok((stored, head, hash));
+        }
+        // One statement (each statement costs a hop to the driver's worker
+        // thread): the rows with these ids, then one row holding the last
+        // position, the head seq and its hash (the subqueries of `head`).
+        let session = session_id.to_string();
+        let mut q = QueryBuilder::<Sqlite>::new(format!(
+            "SELECT {COLUMNS}, hash, 0 FROM events WHERE event_id IN ("
+        ));
+        let mut sep = q.separated(", ");
+        for id in ids {
+            sep.push_bind(id.to_string());
+        }
+        q.push(") UNION ALL SELECT (SELECT COALESCE(MAX(position), 0) FROM events), '', ");
+        q.push("(SELECT seq FROM events WHERE session_id = ");
+        q.push_bind(session.clone());
+        q.push(" ORDER BY seq DESC LIMIT 1), '', '', '', ");
+        q.push("(SELECT hash FROM events WHERE session_id = ");
+        q.push_bind(session);
+        q.push(" ORDER BY seq DESC LIMIT 1), 1");
+        let rows: Vec<JudgeRow> = q
+            .build_query_as()
+            .fetch_all(&mut *self.0)
+            .await
+            .map_err(Error::from_sqlx)?;
+        let mut stored = Vec::new();
+        let (mut head, mut hash) = (0, None);
+        for (position, s, seq, e, payload, t, h, is_head) in rows {
+            if is_head == 1 {
+                self.1 = Some(position);
+                (head, hash) = (seq.unwrap_or(0), h);
+            } else {
+                stored.push(decode((position, s, seq.unwrap_or(0), e, payload, t))?);
+            }
+        }
+        Ok((stored, head, hash))
+    }
+
+    async fn write_accepted(&mut self, w: Accepted<'_>) -> Result<()> {
+        // Every write of the batch in one query of several statements: the
+        // driver binds `?`s in order across them and runs them all, for one
+        // hop to its worker thread instead of one per statement.
+        let session = w.session_id.to_string();
+        let mut q = QueryBuilder::<Sqlite>::new("");
+        for chunk in w.rows.chunks(INSERT_CHUNK) {
+            q.push(
+                "INSERT INTO events (position, session_id, seq, event_id, type, payload, recorded_at, hash) ",
+            );
+            q.push_values(chunk, |mut b, r| {
+                b.push_bind(r.position)
+                    .push_bind(r.session_id.to_string())
+                    .push_bind(r.seq)
+                    .push_bind(r.event_id.to_string())
+                    .push_bind(r.type_name)
+                    .push_bind(r.payload.as_str())
+                    .push_bind(
+                        r.recorded_at
+                            .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+                    )
+                    .push_bind(r.hash.as_str());
+            });
+            q.push(";\n");
+        }
+        for chunk in w.calls.chunks(INSERT_CHUNK) {
+            q.push("INSERT INTO calls (session_id, call_id, tool_name, call_seq, result_seq) ");
+            q.push_values(chunk, |mut b, c| {
+                b.push_bind(session.clone())
+                    .push_bind(c.0.as_str())
+                    .push_bind(c.1.as_str())
+                    .push_bind(c.2)
+                    .push_bind(c.3);
+            });
+            q.push(
+                " ON CONFLICT (session_id, call_id) DO UPDATE SET result_seq = excluded.result_seq;\n",
+            );
+        }
+        if let Some(v) = w.view {
+            q.push(
+                "INSERT OR REPLACE INTO session_views \
+                 (session_id, refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active) ",
+            );
+            q.push_values([v], |mut b, v| {
+                b.push_bind(session.clone())
+                    .push_bind(v.refresh_seq)
+                    .push_bind(v.mode.as_str())
+                    .push_bind(v.window_start)
+                    .push_bind(v.compaction_seq)
+                    .push_bind(v.summary.as_deref())
+                    .push_bind(v.catalogs.as_str())
+                    .push_bind(v.evidence.as_str())
+                    .push_bind(v.active.as_str());
+            });
+            q.push(";\n");
+        }
+        for chunk in w.changes.chunks(INSERT_CHUNK) {
+            q.push(
+                "INSERT INTO activation_changes (position, tool, session_id, seq, recorded_at, change, evidence_seq) ",
+            );
+            q.push_values(chunk, |mut b, c| {
+                b.push_bind(c.position)
+                    .push_bind(c.tool.as_str())
+                    .push_bind(session.clone())
+                    .push_bind(c.seq)
+                    .push_bind(sqlite_time(&c.recorded_at))
+                    .push_bind(c.change.as_str())
+                    .push_bind(c.evidence_seq);
+            });
+            q.push(";\n");
+        }
+        if let Some(tenant) = w.claim_for {
+            q.push("INSERT INTO session_owners (session_id, tenant) ");
+            q.push_values([tenant], |mut b, t| {
+                b.push_bind(session.clone()).push_bind(t);
+            });
+            q.push(";\n");
+        }
+        q.build()
+            .execute(&mut *self.0)
+            .await
+            .map_err(Error::from_sqlx)?;
+        // SQLite has no notifications; subscribers poll.
+        Ok(())
     }
 
     async fn stored_by_ids(&mut self, ids: &[Uuid]) -> Result<Vec<StoredEvent>> {
