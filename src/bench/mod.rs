@@ -18,8 +18,10 @@
 //! `bench-phase` command and a JSON [`PhaseSpec`]; the child runs one phase
 //! and prints one JSON line, its result and its own `VmHWM` read from
 //! `/proc/self/status` just before it exits. The parent owns the databases
-//! (temp SQLite files, a throw-away PostgreSQL server with `fsync` on) and
-//! writes the report ([`report`]) and the plot ([`plot`]).
+//! (temp SQLite files, a throw-away PostgreSQL server with `fsync` on),
+//! runs `sync` before each phase so that no phase pays for the previous
+//! one's writeback, and writes the report ([`report`]) and the plot
+//! ([`plot`]).
 
 pub mod append;
 pub mod latency;
@@ -321,8 +323,23 @@ fn backend_name(kind: BackendKind) -> &'static str {
     }
 }
 
+/// Flushes the machine's dirty pages (`sync`), so that what the previous
+/// phase wrote is not written back during, and charged to, the next phase's
+/// fsyncs. Best effort: without a `sync` program nothing happens.
+async fn settle() {
+    let _ = tokio::task::spawn_blocking(|| {
+        std::process::Command::new("sync")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+    })
+    .await;
+}
+
 /// Runs one phase in a child process of this binary.
 async fn child(kind: BackendKind, spec: PhaseSpec) -> Result<PhaseOutput, BenchError> {
+    settle().await;
     let failed = |detail: String| BenchError::Phase {
         phase: spec.phase.name().to_owned(),
         backend: backend_name(kind).to_owned(),
@@ -483,21 +500,24 @@ async fn measure(
 pub async fn run(config: &BenchConfig, out: &mut dyn std::io::Write) -> Result<Report, BenchError> {
     let started = Instant::now();
     let started_at = chrono::Utc::now();
-    let mut scratch = Scratch::new();
     let mut backends = Vec::new();
-    let result = async {
-        for kind in &config.backends {
+    for kind in &config.backends {
+        // Each backend's databases are removed before the next backend
+        // starts: deleting a file drops its dirty pages, which would
+        // otherwise be written back during, and slow down, the next
+        // backend's fsyncs.
+        let mut scratch = Scratch::new();
+        let result = async {
             let dbs = match kind {
                 BackendKind::Sqlite => scratch.sqlite(config.dir.as_deref())?,
                 BackendKind::Postgres => scratch.postgres(config.postgres_url.as_deref()).await?,
             };
-            backends.push(measure(*kind, &dbs, config.quick).await?);
+            measure(*kind, &dbs, config.quick).await
         }
-        Ok::<(), BenchError>(())
+        .await;
+        scratch.clean().await;
+        backends.push(result?);
     }
-    .await;
-    scratch.clean().await;
-    result?;
     let report = Report {
         version: 1,
         command: config.command.clone(),
