@@ -45,10 +45,18 @@ type JudgeRow = (
 const COLUMNS: &str = "position, session_id, seq, event_id, payload, recorded_at";
 
 /// Server-side limits set on every connection (see the module docs).
-const SESSION_SETTINGS: [(&str, &str); 3] = [
+const SESSION_SETTINGS: [(&str, &str); 4] = [
     ("statement_timeout", "30s"),
     ("lock_timeout", "10s"),
     ("idle_in_transaction_session_timeout", "30s"),
+    // sqlx prepares every statement once per connection, and after five
+    // executions PostgreSQL may switch a prepared statement to a generic
+    // plan, costed with the statistics of that moment. A store's tables
+    // grow from empty: a plan chosen while `events` was small (a scan)
+    // kept running after it was large, and an append's reads took 10-20 ms
+    // instead of 0.5 ms until the next ANALYZE (docs/benchmarks.md). Custom
+    // plans are costed with the current table size on every execution.
+    ("plan_cache_mode", "force_custom_plan"),
 ];
 
 /// The LISTEN/NOTIFY channel: payload "session:seq", a wake-up only.
