@@ -786,22 +786,15 @@ async fn run_on(
                 )
                 .map_err(io)?;
             }
-            let mut failed = None;
             store
                 .refreshes(session, At::Latest, |r| {
-                    let written = if json {
+                    if json {
                         print_json(out, &r)
                     } else {
                         print_refresh(&r, out).map_err(io)
-                    };
-                    written.map_err(|e| {
-                        let message = e.to_string();
-                        failed = Some(e);
-                        Error::Unavailable(message)
-                    })
+                    }
                 })
-                .await
-                .map_err(|e| failed.take().unwrap_or(CliError::Store(e)))?;
+                .await?;
         }
         Command::Audit(query) => audit(store, query, out).await?,
         Command::Verify {

@@ -114,7 +114,7 @@ pub(super) async fn refreshes(
         .store
         .refreshes(session_id, At::Latest, |r| {
             refreshes.push(r);
-            Ok(())
+            Ok::<(), crate::error::Error>(())
         })
         .await?;
     Ok(Json(RefreshList {

@@ -18,7 +18,7 @@ impl Store {
         let mut auditor = Auditor::new(session_id);
         self.each_event(session_id, at, |e| {
             auditor.apply(e);
-            Ok(())
+            Ok::<(), Error>(())
         })
         .await?;
         Ok(auditor.explain(tool))
@@ -26,13 +26,14 @@ impl Store {
 
     /// Calls `sink` with every refresh point of the session up to `at`, in
     /// seq order: the activation set after it and its difference from the
-    /// previous one. A `sink` error stops the pass and is returned.
-    pub async fn refreshes(
+    /// previous one. A `sink` error (of the caller's own type, such as a
+    /// failed write of the output) stops the pass and is returned as is.
+    pub async fn refreshes<E: From<Error>>(
         &self,
         session_id: Uuid,
         at: At,
-        mut sink: impl FnMut(Refresh) -> Result<()>,
-    ) -> Result<()> {
+        mut sink: impl FnMut(Refresh) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
         let mut tracker = RefreshTracker::new(session_id);
         self.each_event(session_id, at, |e| match tracker.apply(e) {
             Some(r) => sink(r),
@@ -43,15 +44,15 @@ impl Store {
 
     /// Feeds the session's events from seq 1 up to `at` to `f`, a page at
     /// a time.
-    async fn each_event(
+    async fn each_event<E: From<Error>>(
         &self,
         session_id: Uuid,
         at: At,
-        mut f: impl FnMut(&StoredEvent) -> Result<()>,
-    ) -> Result<()> {
+        mut f: impl FnMut(&StoredEvent) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
         let latest = self.head_seq(session_id).await?;
         if latest == 0 {
-            return Err(Error::SessionNotFound(session_id));
+            return Err(Error::SessionNotFound(session_id).into());
         }
         let (target, prompt) = match at {
             At::Latest => (latest, None),
@@ -61,7 +62,8 @@ impl Store {
                     session_id,
                     seq: n,
                     latest,
-                })
+                }
+                .into())
             }
             At::Prompt(k) => (latest, Some(k)),
         };
@@ -90,7 +92,8 @@ impl Store {
                 session_id,
                 prompt: k,
                 prompts,
-            }),
+            }
+            .into()),
             _ => Ok(()),
         }
     }
