@@ -100,13 +100,23 @@ pub struct AppendResult {
 
 /// Runs the grid on the store at `url`.
 pub async fn run(url: &str, quick: bool) -> Result<AppendResult, BenchError> {
-    let plan = AppendPlan::new(quick);
+    run_plan(url, AppendPlan::new(quick), &[false, true]).await
+}
+
+/// Runs `plan` on the store at `url`, for the session kinds in `shared`
+/// (`false`: distinct sessions; `true`: one shared session). The full bench
+/// runs both; `examples/append_probe` runs one cell while profiling.
+pub async fn run_plan(
+    url: &str,
+    plan: AppendPlan,
+    shared_kinds: &[bool],
+) -> Result<AppendResult, BenchError> {
     let store = Arc::new(Store::open(url).await?);
     let raw = Arc::new(Raw::open(store.kind(), url).await?);
     let pool = Arc::new(TextPool::new());
     let duration = Duration::from_secs_f64(plan.seconds);
     let mut cells = Vec::new();
-    for shared in [false, true] {
+    for &shared in shared_kinds {
         for &writers in &plan.writers {
             for &batch in &plan.batches {
                 let mut store_rates = Vec::new();
