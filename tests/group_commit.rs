@@ -6,7 +6,9 @@ mod common;
 
 use std::sync::Arc;
 
-use session_store::{Error, EventBody, NewEvent, RetryPolicy, Store, ToolStatus};
+use std::time::Duration;
+
+use session_store::{Error, EventBody, NewEvent, RetryPolicy, Store, StoreOptions, ToolStatus};
 use uuid::Uuid;
 
 fn started() -> NewEvent {
@@ -130,6 +132,126 @@ both_backends!(
         let cached = store.activations(session, None).await.unwrap();
         store.clear_cache();
         assert_eq!(store.activations(session, None).await.unwrap(), cached);
+        store.close().await;
+    }
+);
+
+fn call(call_id: &str, tool: &str) -> NewEvent {
+    NewEvent::new(EventBody::ToolCall {
+        call_id: call_id.into(),
+        tool_name: tool.into(),
+        input: serde_json::json!({}),
+    })
+}
+
+fn result(call_id: &str, tool: &str, added: Option<Vec<String>>) -> NewEvent {
+    NewEvent::new(EventBody::ToolResult {
+        call_id: call_id.into(),
+        tool_name: tool.into(),
+        status: ToolStatus::Success,
+        output: None,
+        added_tool_names: added,
+    })
+}
+
+// Appends that depend on one another, queued behind a commit held open so
+// that they are committed in one group: a call and its result in different
+// appends, two refresh points, a retry of an event the group wrote, a
+// reused event id, a session created by a tenant and appended to again.
+// A backend that reads ahead for the group and writes late (PostgreSQL)
+// must judge and store them exactly as one by one.
+both_backends!(
+    dependent_appends_in_one_group_are_judged_as_one_by_one,
+    |url: String| async move {
+        let options = StoreOptions {
+            fault_pause_before_commit: Some(Duration::from_millis(600)),
+            ..StoreOptions::default()
+        };
+        let store = Arc::new(Store::open_with(&url, options).await.unwrap());
+        let (s, blocker, owned) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+        let catalog = NewEvent::new(EventBody::CatalogDefined {
+            mode: "agent".into(),
+            deferred_tools: vec!["Deploy".into(), "Grep".into()],
+        });
+        store.append(s, 0, vec![started(), catalog]).await.unwrap();
+
+        let first = store.clone();
+        let holder = tokio::spawn(async move { first.append(blocker, 0, vec![started()]).await });
+        tokio::time::sleep(Duration::from_millis(150)).await;
+
+        let search = call("c1", "ToolSearch").with_id(Uuid::new_v4());
+        let mut reused = call("c9", "Grep");
+        reused.event_id = search.event_id;
+        type Job = (Option<&'static str>, Uuid, i64, Vec<NewEvent>);
+        let jobs: Vec<Job> = vec![
+            (None, s, 2, vec![search.clone()]),
+            (
+                None,
+                s,
+                3,
+                vec![
+                    result("c1", "ToolSearch", Some(vec!["Deploy".into()])),
+                    prompt("one"),
+                ],
+            ),
+            (None, s, 2, vec![search.clone()]),
+            (None, s, 5, vec![reused]),
+            (None, s, 5, vec![call("c2", "Deploy"), prompt("two")]),
+            (Some("t1"), owned, 0, vec![started()]),
+            (None, s, 7, vec![result("c2", "Deploy", None)]),
+            (Some("t1"), owned, 1, vec![prompt("mine")]),
+        ];
+        let mut tasks = Vec::new();
+        for (tenant, session, expected, events) in jobs {
+            let store = store.clone();
+            tasks.push(tokio::spawn(async move {
+                store.append_as(tenant, session, expected, events).await
+            }));
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let mut outcomes = Vec::new();
+        for t in tasks {
+            outcomes.push(t.await.unwrap());
+        }
+        holder.await.unwrap().unwrap();
+
+        let seqs = |i: usize| -> Vec<i64> {
+            let o = outcomes[i]
+                .as_ref()
+                .unwrap_or_else(|e| panic!("append {i}: {e}"));
+            o.events.iter().map(|a| a.seq).collect()
+        };
+        assert_eq!(seqs(0), vec![3]);
+        assert_eq!(seqs(1), vec![4, 5]);
+        assert_eq!(seqs(2), vec![3], "the retry is answered from the log");
+        assert!(outcomes[2].as_ref().unwrap().replayed);
+        assert!(
+            matches!(outcomes[3], Err(Error::Invalid(_))),
+            "a reused event id is refused: {:?}",
+            outcomes[3]
+        );
+        assert_eq!(seqs(4), vec![6, 7]);
+        assert_eq!(seqs(5), vec![1]);
+        assert_eq!(seqs(6), vec![8]);
+        assert_eq!(seqs(7), vec![2]);
+
+        assert_eq!(store.head_seq(s).await.unwrap(), 8);
+        assert_eq!(store.verify(s).await.unwrap(), None);
+        assert_eq!(store.verify(owned).await.unwrap(), None);
+        assert_eq!(
+            store.session_owner(owned).await.unwrap().as_deref(),
+            Some("t1")
+        );
+        let cached = store.activations(s, None).await.unwrap();
+        store.clear_cache();
+        let fresh = store.activations(s, None).await.unwrap();
+        assert_eq!(fresh, cached);
+        let names: Vec<&str> = fresh.tools.iter().map(|a| a.name.as_str()).collect();
+        assert_eq!(names, vec!["Deploy"]);
+        // Dense global order: 8 events of `s`, 1 of the holder, 2 of `owned`.
+        let feed = store.feed(0, 1000).await.unwrap();
+        let positions: Vec<i64> = feed.iter().map(|e| e.position).collect();
+        assert_eq!(positions, (1..=11).collect::<Vec<_>>());
         store.close().await;
     }
 );

@@ -110,6 +110,22 @@ async fn run<T: LogTx>(
             return;
         }
     };
+    // One read for the judgements of the whole group (a backend with round
+    // trips to save serves each append's `judge_reads` from it).
+    let mut sessions: Vec<Uuid> = Vec::new();
+    let mut ids: Vec<Uuid> = Vec::new();
+    for p in group.iter().filter(|p| !p.reply.is_closed()) {
+        if !sessions.contains(&p.session_id) {
+            sessions.push(p.session_id);
+        }
+        ids.extend(p.events.iter().filter_map(|e| e.event_id));
+    }
+    if let Err(e) = tx.prefetch(&sessions, &ids).await {
+        for p in group {
+            let _ = p.reply.send(Err(again(&e)));
+        }
+        return;
+    }
     // The states of the sessions this group appended to, as its accepted
     // appends left them; they go to the cache only if the commit succeeds.
     tracing::debug!(appends = group.len(), "group commit");

@@ -198,6 +198,18 @@ pub(crate) trait LogTx: Send {
             Ok((stored, head, hash))
         }
     }
+    /// Reads ahead what the group's judgements will ask for: the heads of
+    /// `sessions` and the stored events with any of `ids`, in one round
+    /// trip, so that `judge_reads` of each append of a group costs none. The
+    /// default reads nothing (an embedded backend has no round trip to save).
+    fn prefetch(
+        &mut self,
+        sessions: &[Uuid],
+        ids: &[Uuid],
+    ) -> impl Future<Output = Result<()>> + Send {
+        let _ = (sessions, ids);
+        async { Ok(()) }
+    }
     /// Writes an accepted batch: its rows, calls, view and owner, and the
     /// wake-up. The default makes a statement of each; a backend may make
     /// one statement of all.

@@ -11,6 +11,7 @@
 //! counter lock: `statement_timeout`, `lock_timeout` and
 //! `idle_in_transaction_session_timeout` (values in docs/design.md).
 
+use std::collections::{HashMap, HashSet};
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -122,11 +123,7 @@ impl PgBackend {
                 .fetch_one(&mut *tx)
                 .await
                 .map_err(Error::from_sqlx)?;
-        Ok(PgTx {
-            tx,
-            last,
-            unwritten: 0,
-        })
+        Ok(PgTx::new(tx, last))
     }
 
     /// A read transaction: one snapshot (REPEATABLE READ) for the view,
@@ -137,11 +134,7 @@ impl PgBackend {
             .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
             .await
             .map_err(Error::from_sqlx)?;
-        Ok(PgTx {
-            tx,
-            last: 0,
-            unwritten: 0,
-        })
+        Ok(PgTx::new(tx, 0))
     }
 
     pub(crate) async fn head_seq(&self, session_id: Uuid) -> Result<i64> {
@@ -263,6 +256,20 @@ async fn head_seq<'e, E: sqlx::PgExecutor<'e>>(ex: E, session_id: Uuid) -> Resul
 }
 
 /// A write transaction holding the position counter's row lock.
+///
+/// Why it reads ahead and writes late: a group commit (`group`) judges and
+/// writes its appends one after another, and each statement is a round
+/// trip to the server while the store-wide counter lock is held. So the
+/// transaction reads the heads and stored ids of the whole group in one
+/// statement (`prefetch`), keeps each session's head current as batches
+/// are accepted, and buffers the accepted writes (`write_accepted`) until
+/// the commit, or until a read that could see them: a read about a session
+/// with buffered writes, or any read not about one session, sends them
+/// first (`flush`). Other sessions' reads do not, so a group of appends to
+/// distinct sessions costs one read and one write statement in all.
+/// Correct because the counter lock is held: nobody else writes meanwhile,
+/// so what was read ahead stays true except for this transaction's own
+/// writes, which the transaction tracks.
 pub(crate) struct PgTx {
     tx: Transaction<'static, Postgres>,
     /// The counter's value when the lock was taken, plus what was reserved.
@@ -270,14 +277,146 @@ pub(crate) struct PgTx {
     /// Positions reserved but not yet added to the stored counter: the next
     /// insert adds them in its own statement, saving a round trip.
     unwritten: i64,
+    /// Heads (seq, hash) known exactly: read ahead or written here.
+    heads: HashMap<Uuid, (i64, Option<String>)>,
+    /// Event ids whose stored rows were read ahead (into `prefetched` when
+    /// stored).
+    asked: HashSet<Uuid>,
+    prefetched: HashMap<Uuid, StoredEvent>,
+    /// Event ids this transaction wrote, sent or not: what was read ahead
+    /// about them is out of date.
+    written: HashSet<Uuid>,
+    /// Accepted writes not yet sent.
+    buffered: Buffered,
+}
+
+/// The writes of accepted batches not yet sent, merged so that one
+/// statement can send them (an upsert may touch each row only once).
+#[derive(Default)]
+struct Buffered {
+    /// Sessions with buffered writes.
+    sessions: HashSet<Uuid>,
+    /// Event ids of the buffered rows.
+    ids: HashSet<Uuid>,
+    rows: Vec<PendingRow>,
+    /// Calls index rows, the latest per (session, call id).
+    calls: Vec<(Uuid, CallRow)>,
+    call_index: HashMap<(Uuid, String), usize>,
+    /// The latest view of each session.
+    views: HashMap<Uuid, ViewRow>,
+    owners: Vec<(Uuid, String)>,
+    wakeups: Vec<String>,
+    changes: Vec<ChangeRow>,
+}
+
+impl PgTx {
+    fn new(tx: Transaction<'static, Postgres>, last: i64) -> PgTx {
+        PgTx {
+            tx,
+            last,
+            unwritten: 0,
+            heads: HashMap::new(),
+            asked: HashSet::new(),
+            prefetched: HashMap::new(),
+            written: HashSet::new(),
+            buffered: Buffered::default(),
+        }
+    }
+
+    /// Sends the buffered writes if a read about `session_id` could see
+    /// them.
+    async fn flush_for(&mut self, session_id: Uuid) -> Result<()> {
+        match self.buffered.sessions.contains(&session_id) {
+            true => self.flush().await,
+            false => Ok(()),
+        }
+    }
+
+    /// Sends every buffered write (and the reserved positions' counter
+    /// update) in one statement of data-modifying CTEs, each of which runs
+    /// once, to completion; the wake-ups are the main query.
+    async fn flush(&mut self) -> Result<()> {
+        if self.buffered.sessions.is_empty() {
+            return Ok(());
+        }
+        let b = std::mem::take(&mut self.buffered);
+        let rows = &b.rows;
+        let views: Vec<&ViewRow> = b.views.values().collect();
+        let changes = &b.changes;
+        sqlx::query(
+            "WITH counter AS (UPDATE event_position SET last = last + $9 WHERE id = 1 AND $9 > 0), \
+             ev AS (INSERT INTO events (position, session_id, seq, event_id, type, payload, recorded_at, hash) \
+               SELECT * FROM UNNEST($1::BIGINT[], $2::UUID[], $3::BIGINT[], $4::UUID[], $5::TEXT[], $6::TEXT[], $7::TIMESTAMPTZ[], $8::TEXT[])), \
+             calls_w AS (INSERT INTO calls (session_id, call_id, tool_name, call_seq, result_seq) \
+               SELECT * FROM UNNEST($10::UUID[], $11::TEXT[], $12::TEXT[], $13::BIGINT[], $14::BIGINT[]) \
+               ON CONFLICT (session_id, call_id) DO UPDATE SET result_seq = EXCLUDED.result_seq), \
+             view_w AS (INSERT INTO session_views \
+               (session_id, refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active) \
+               SELECT * FROM UNNEST($15::UUID[], $16::BIGINT[], $17::TEXT[], $18::BIGINT[], $19::BIGINT[], $20::TEXT[], $21::TEXT[], $22::TEXT[], $23::TEXT[]) \
+               ON CONFLICT (session_id) DO UPDATE SET refresh_seq = EXCLUDED.refresh_seq, \
+               mode = EXCLUDED.mode, window_start = EXCLUDED.window_start, \
+               compaction_seq = EXCLUDED.compaction_seq, summary = EXCLUDED.summary, \
+               catalogs = EXCLUDED.catalogs, evidence = EXCLUDED.evidence, active = EXCLUDED.active), \
+             owner_w AS (INSERT INTO session_owners (session_id, tenant) \
+               SELECT * FROM UNNEST($24::UUID[], $25::TEXT[])), \
+             changes_w AS (INSERT INTO activation_changes (position, tool, session_id, seq, recorded_at, change, evidence_seq) \
+               SELECT * FROM UNNEST($26::BIGINT[], $27::TEXT[], $28::UUID[], $29::BIGINT[], $30::TIMESTAMPTZ[], $31::TEXT[], $32::BIGINT[])) \
+             SELECT pg_notify($33, w) FROM UNNEST($34::TEXT[]) AS w",
+        )
+        .bind(rows.iter().map(|r| r.position).collect::<Vec<i64>>())
+        .bind(rows.iter().map(|r| r.session_id).collect::<Vec<Uuid>>())
+        .bind(rows.iter().map(|r| r.seq).collect::<Vec<i64>>())
+        .bind(rows.iter().map(|r| r.event_id).collect::<Vec<Uuid>>())
+        .bind(rows.iter().map(|r| r.type_name).collect::<Vec<&str>>())
+        .bind(rows.iter().map(|r| r.payload.as_str()).collect::<Vec<&str>>())
+        .bind(rows.iter().map(|r| r.recorded_at).collect::<Vec<DateTime<Utc>>>())
+        .bind(rows.iter().map(|r| r.hash.as_str()).collect::<Vec<&str>>())
+        .bind(self.unwritten)
+        .bind(b.calls.iter().map(|c| c.0).collect::<Vec<Uuid>>())
+        .bind(b.calls.iter().map(|c| c.1 .0.as_str()).collect::<Vec<&str>>())
+        .bind(b.calls.iter().map(|c| c.1 .1.as_str()).collect::<Vec<&str>>())
+        .bind(b.calls.iter().map(|c| c.1 .2).collect::<Vec<i64>>())
+        .bind(b.calls.iter().map(|c| c.1 .3).collect::<Vec<Option<i64>>>())
+        .bind(views.iter().map(|v| v.session_id).collect::<Vec<Uuid>>())
+        .bind(views.iter().map(|v| v.refresh_seq).collect::<Vec<i64>>())
+        .bind(views.iter().map(|v| v.mode.as_str()).collect::<Vec<&str>>())
+        .bind(views.iter().map(|v| v.window_start).collect::<Vec<i64>>())
+        .bind(views.iter().map(|v| v.compaction_seq).collect::<Vec<Option<i64>>>())
+        .bind(views.iter().map(|v| v.summary.as_deref()).collect::<Vec<Option<&str>>>())
+        .bind(views.iter().map(|v| v.catalogs.as_str()).collect::<Vec<&str>>())
+        .bind(views.iter().map(|v| v.evidence.as_str()).collect::<Vec<&str>>())
+        .bind(views.iter().map(|v| v.active.as_str()).collect::<Vec<&str>>())
+        .bind(b.owners.iter().map(|o| o.0).collect::<Vec<Uuid>>())
+        .bind(b.owners.iter().map(|o| o.1.as_str()).collect::<Vec<&str>>())
+        .bind(changes.iter().map(|c| c.position).collect::<Vec<i64>>())
+        .bind(changes.iter().map(|c| c.tool.as_str()).collect::<Vec<&str>>())
+        .bind(changes.iter().map(|c| c.session_id).collect::<Vec<Uuid>>())
+        .bind(changes.iter().map(|c| c.seq).collect::<Vec<i64>>())
+        .bind(changes.iter().map(|c| c.recorded_at).collect::<Vec<DateTime<Utc>>>())
+        .bind(changes.iter().map(|c| c.change.as_str()).collect::<Vec<&str>>())
+        .bind(changes.iter().map(|c| c.evidence_seq).collect::<Vec<Option<i64>>>())
+        .bind(NOTIFY_CHANNEL)
+        .bind(&b.wakeups)
+        .execute(&mut *self.tx)
+        .await
+        .map_err(Error::from_sqlx)?;
+        self.unwritten = 0;
+        Ok(())
+    }
 }
 
 impl LogTx for PgTx {
     async fn head_seq(&mut self, session_id: Uuid) -> Result<i64> {
+        if let Some((seq, _)) = self.heads.get(&session_id) {
+            return Ok(*seq);
+        }
         head_seq(&mut *self.tx, session_id).await
     }
 
     async fn head(&mut self, session_id: Uuid) -> Result<(i64, Option<String>)> {
+        if let Some(head) = self.heads.get(&session_id) {
+            return Ok(head.clone());
+        }
         let row: Option<(i64, Option<String>)> = sqlx::query_as(
             "SELECT seq, hash FROM events WHERE session_id = $1 ORDER BY seq DESC LIMIT 1",
         )
@@ -293,6 +432,22 @@ impl LogTx for PgTx {
         session_id: Uuid,
         ids: &[Uuid],
     ) -> Result<(Vec<StoredEvent>, i64, Option<String>)> {
+        if let Some((head, hash)) = self.heads.get(&session_id) {
+            let read_ahead = ids
+                .iter()
+                .all(|id| self.asked.contains(id) && !self.written.contains(id));
+            if read_ahead {
+                let stored = ids
+                    .iter()
+                    .filter_map(|id| self.prefetched.get(id).cloned())
+                    .collect();
+                return Ok((stored, *head, hash.clone()));
+            }
+        }
+        if ids.iter().any(|id| self.buffered.ids.contains(id)) {
+            self.flush().await?;
+        }
+        self.flush_for(session_id).await?;
         // One round trip: the rows with these ids, then the head row (its
         // payload left out: only its seq and hash are wanted).
         let rows: Vec<JudgeRow> = sqlx::query_as(
@@ -319,68 +474,77 @@ impl LogTx for PgTx {
         Ok((stored, head, hash))
     }
 
-    async fn write_accepted(&mut self, w: Accepted<'_>) -> Result<()> {
-        // One round trip for every write of the batch: data-modifying CTEs
-        // (each runs once, to completion) and the wake-up as the main query.
-        let rows = w.rows;
-        let view = w.view;
-        sqlx::query(
-            "WITH counter AS (UPDATE event_position SET last = last + $9 WHERE id = 1 AND $9 > 0), \
-             ev AS (INSERT INTO events (position, session_id, seq, event_id, type, payload, recorded_at, hash) \
-               SELECT * FROM UNNEST($1::BIGINT[], $2::UUID[], $3::BIGINT[], $4::UUID[], $5::TEXT[], $6::TEXT[], $7::TIMESTAMPTZ[], $8::TEXT[])), \
-             calls_w AS (INSERT INTO calls (session_id, call_id, tool_name, call_seq, result_seq) \
-               SELECT $10, * FROM UNNEST($11::TEXT[], $12::TEXT[], $13::BIGINT[], $14::BIGINT[]) \
-               ON CONFLICT (session_id, call_id) DO UPDATE SET result_seq = EXCLUDED.result_seq), \
-             view_w AS (INSERT INTO session_views \
-               (session_id, refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active) \
-               SELECT $10, $15::BIGINT, $16::TEXT, $17::BIGINT, $18::BIGINT, $19::TEXT, $20::TEXT, $21::TEXT, $22::TEXT \
-               WHERE $15::BIGINT IS NOT NULL \
-               ON CONFLICT (session_id) DO UPDATE SET refresh_seq = EXCLUDED.refresh_seq, \
-               mode = EXCLUDED.mode, window_start = EXCLUDED.window_start, \
-               compaction_seq = EXCLUDED.compaction_seq, summary = EXCLUDED.summary, \
-               catalogs = EXCLUDED.catalogs, evidence = EXCLUDED.evidence, active = EXCLUDED.active), \
-             owner_w AS (INSERT INTO session_owners (session_id, tenant) \
-               SELECT $10, $23::TEXT WHERE $23::TEXT IS NOT NULL) \
-             SELECT pg_notify($24, $25)",
+    async fn prefetch(&mut self, sessions: &[Uuid], ids: &[Uuid]) -> Result<()> {
+        self.flush().await?;
+        // The rows with these ids, then each session's head row (its
+        // payload left out: only its seq and hash are wanted).
+        let rows: Vec<JudgeRow> = sqlx::query_as(
+            "SELECT position, session_id, seq, event_id, payload, recorded_at, hash, false \
+                 FROM events WHERE event_id = ANY($1) \
+                 UNION ALL \
+                 SELECT h.position, h.session_id, h.seq, h.event_id, '', h.recorded_at, h.hash, true \
+                 FROM UNNEST($2::UUID[]) AS s(id) CROSS JOIN LATERAL \
+                 (SELECT position, session_id, seq, event_id, recorded_at, hash FROM events \
+                  WHERE session_id = s.id ORDER BY seq DESC LIMIT 1) AS h",
         )
-        .bind(rows.iter().map(|r| r.position).collect::<Vec<i64>>())
-        .bind(rows.iter().map(|r| r.session_id).collect::<Vec<Uuid>>())
-        .bind(rows.iter().map(|r| r.seq).collect::<Vec<i64>>())
-        .bind(rows.iter().map(|r| r.event_id).collect::<Vec<Uuid>>())
-        .bind(rows.iter().map(|r| r.type_name).collect::<Vec<&str>>())
-        .bind(rows.iter().map(|r| r.payload.as_str()).collect::<Vec<&str>>())
-        .bind(rows.iter().map(|r| r.recorded_at).collect::<Vec<DateTime<Utc>>>())
-        .bind(rows.iter().map(|r| r.hash.as_str()).collect::<Vec<&str>>())
-        .bind(self.unwritten)
-        .bind(w.session_id)
-        .bind(w.calls.iter().map(|c| c.0.as_str()).collect::<Vec<&str>>())
-        .bind(w.calls.iter().map(|c| c.1.as_str()).collect::<Vec<&str>>())
-        .bind(w.calls.iter().map(|c| c.2).collect::<Vec<i64>>())
-        .bind(w.calls.iter().map(|c| c.3).collect::<Vec<Option<i64>>>())
-        .bind(view.map(|v| v.refresh_seq))
-        .bind(view.map(|v| v.mode.as_str()))
-        .bind(view.map(|v| v.window_start))
-        .bind(view.and_then(|v| v.compaction_seq))
-        .bind(view.and_then(|v| v.summary.as_deref()))
-        .bind(view.map(|v| v.catalogs.as_str()))
-        .bind(view.map(|v| v.evidence.as_str()))
-        .bind(view.map(|v| v.active.as_str()))
-        .bind(w.claim_for)
-        .bind(NOTIFY_CHANNEL)
-        .bind(format!("{}:{}", w.session_id, w.seq))
-        .execute(&mut *self.tx)
+        .bind(ids)
+        .bind(sessions)
+        .fetch_all(&mut *self.tx)
         .await
         .map_err(Error::from_sqlx)?;
-        self.unwritten = 0;
-        // Only a batch whose refresh points change the activation set has
-        // any: one more statement for those.
-        if !w.changes.is_empty() {
-            self.record_changes(w.changes).await?;
+        for s in sessions {
+            self.heads.insert(*s, (0, None));
+        }
+        self.asked.extend(ids.iter().copied());
+        for (p, s, q, e, payload, t, h, is_head) in rows {
+            if is_head {
+                self.heads.insert(s, (q, h));
+            } else {
+                let event = decode((p, s, q, e, payload, t))?;
+                self.prefetched.insert(event.event_id, event);
+            }
+        }
+        Ok(())
+    }
+
+    async fn write_accepted(&mut self, w: Accepted<'_>) -> Result<()> {
+        // Buffered until the commit or a read that could see it (see
+        // [`PgTx`]); the reserved positions' counter update goes with it.
+        let b = &mut self.buffered;
+        b.sessions.insert(w.session_id);
+        b.ids.extend(w.rows.iter().map(|r| r.event_id));
+        self.written.extend(w.rows.iter().map(|r| r.event_id));
+        b.rows.extend_from_slice(w.rows);
+        for call in w.calls {
+            match b.call_index.get(&(w.session_id, call.0.clone())) {
+                // As the upsert would: only the result's seq changes.
+                Some(&i) => b.calls[i].1 .3 = call.3,
+                None => {
+                    b.call_index
+                        .insert((w.session_id, call.0.clone()), b.calls.len());
+                    b.calls.push((w.session_id, call.clone()));
+                }
+            }
+        }
+        if let Some(view) = w.view {
+            b.views.insert(w.session_id, view.clone());
+        }
+        if let Some(tenant) = w.claim_for {
+            b.owners.push((w.session_id, tenant.to_owned()));
+        }
+        b.wakeups.push(format!("{}:{}", w.session_id, w.seq));
+        b.changes.extend_from_slice(w.changes);
+        if let Some(last) = w.rows.last() {
+            self.heads
+                .insert(w.session_id, (last.seq, Some(last.hash.clone())));
         }
         Ok(())
     }
 
     async fn stored_by_ids(&mut self, ids: &[Uuid]) -> Result<Vec<StoredEvent>> {
+        if ids.iter().any(|id| self.buffered.ids.contains(id)) {
+            self.flush().await?;
+        }
         let rows: Vec<Row> = sqlx::query_as(&format!(
             "SELECT {COLUMNS} FROM events WHERE event_id = ANY($1)"
         ))
@@ -392,6 +556,7 @@ impl LogTx for PgTx {
     }
 
     async fn range(&mut self, session_id: Uuid, after: i64, upto: i64) -> Result<Vec<StoredEvent>> {
+        self.flush_for(session_id).await?;
         let rows: Vec<Row> = sqlx::query_as(&format!(
             "SELECT {COLUMNS} FROM events WHERE session_id = $1 AND seq > $2 AND seq <= $3 ORDER BY seq"
         ))
@@ -415,6 +580,11 @@ impl LogTx for PgTx {
     }
 
     async fn insert(&mut self, rows: &[PendingRow]) -> Result<()> {
+        self.flush().await?;
+        for r in rows {
+            self.heads.remove(&r.session_id);
+            self.written.insert(r.event_id);
+        }
         let positions: Vec<i64> = rows.iter().map(|r| r.position).collect();
         let sessions: Vec<Uuid> = rows.iter().map(|r| r.session_id).collect();
         let seqs: Vec<i64> = rows.iter().map(|r| r.seq).collect();
@@ -445,6 +615,11 @@ impl LogTx for PgTx {
     }
 
     async fn load_view(&mut self, session_id: Uuid) -> Result<Option<ViewRow>> {
+        // A buffered view is the latest; without one the stored view is
+        // (buffered writes of the session do not change it).
+        if let Some(view) = self.buffered.views.get(&session_id) {
+            return Ok(Some(view.clone()));
+        }
         let row: Option<ViewColumns> = sqlx::query_as(
             "SELECT refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active \
              FROM session_views WHERE session_id = $1",
@@ -457,6 +632,7 @@ impl LogTx for PgTx {
     }
 
     async fn write_view(&mut self, v: &ViewRow) -> Result<()> {
+        self.flush().await?;
         sqlx::query(
             "INSERT INTO session_views \
              (session_id, refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active) \
@@ -482,6 +658,7 @@ impl LogTx for PgTx {
     }
 
     async fn calls(&mut self, session_id: Uuid, call_ids: &[String]) -> Result<Vec<CallRow>> {
+        self.flush_for(session_id).await?;
         sqlx::query_as(
             "SELECT call_id, tool_name, call_seq, result_seq FROM calls \
              WHERE session_id = $1 AND call_id = ANY($2)",
@@ -494,6 +671,7 @@ impl LogTx for PgTx {
     }
 
     async fn record_calls(&mut self, session_id: Uuid, rows: &[CallRow]) -> Result<()> {
+        self.flush().await?;
         if rows.is_empty() {
             return Ok(());
         }
@@ -518,6 +696,7 @@ impl LogTx for PgTx {
     }
 
     async fn last_refresh_seq(&mut self, session_id: Uuid) -> Result<i64> {
+        self.flush_for(session_id).await?;
         let (seq,): (i64,) = sqlx::query_as(
             "SELECT COALESCE(MAX(seq), 0)::BIGINT FROM events WHERE session_id = $1 \
              AND type IN ('prompt_submitted', 'mode_switched')",
@@ -530,6 +709,7 @@ impl LogTx for PgTx {
     }
 
     async fn clear_derived(&mut self, session_id: Uuid) -> Result<()> {
+        self.flush().await?;
         for sql in [
             "DELETE FROM session_views WHERE session_id = $1",
             "DELETE FROM calls WHERE session_id = $1",
@@ -545,6 +725,7 @@ impl LogTx for PgTx {
     }
 
     async fn session_ids(&mut self) -> Result<Vec<Uuid>> {
+        self.flush().await?;
         let rows: Vec<(Uuid,)> =
             sqlx::query_as("SELECT DISTINCT session_id FROM events ORDER BY session_id")
                 .fetch_all(&mut *self.tx)
@@ -554,6 +735,7 @@ impl LogTx for PgTx {
     }
 
     async fn session_owner(&mut self, session_id: Uuid) -> Result<Option<String>> {
+        self.flush_for(session_id).await?;
         let row: Option<(String,)> =
             sqlx::query_as("SELECT tenant FROM session_owners WHERE session_id = $1")
                 .bind(session_id)
@@ -564,6 +746,7 @@ impl LogTx for PgTx {
     }
 
     async fn claim_session(&mut self, session_id: Uuid, tenant: &str) -> Result<()> {
+        self.flush().await?;
         sqlx::query("INSERT INTO session_owners (session_id, tenant) VALUES ($1, $2)")
             .bind(session_id)
             .bind(tenant)
@@ -574,6 +757,7 @@ impl LogTx for PgTx {
     }
 
     async fn notify(&mut self, session_id: Uuid, seq: i64) -> Result<()> {
+        self.flush().await?;
         sqlx::query("SELECT pg_notify($1, $2)")
             .bind(NOTIFY_CHANNEL)
             .bind(format!("{session_id}:{seq}"))
@@ -589,6 +773,7 @@ impl LogTx for PgTx {
         after: i64,
         limit: i64,
     ) -> Result<Vec<(StoredEvent, Option<String>)>> {
+        self.flush_for(session_id).await?;
         let rows: Vec<HashedRow> =
             sqlx::query_as(&format!(
                 "SELECT {COLUMNS}, hash FROM events WHERE session_id = $1 AND seq > $2 ORDER BY seq LIMIT $3"
@@ -605,6 +790,9 @@ impl LogTx for PgTx {
     }
 
     async fn set_hash(&mut self, position: i64, hash: &str) -> Result<()> {
+        self.flush().await?;
+        // It may be a head's hash.
+        self.heads.clear();
         sqlx::query("UPDATE events SET hash = $1 WHERE position = $2 AND hash IS NULL")
             .bind(hash)
             .bind(position)
@@ -615,6 +803,7 @@ impl LogTx for PgTx {
     }
 
     async fn backfill_pending(&mut self, limit: i64) -> Result<Vec<Uuid>> {
+        self.flush().await?;
         let rows: Vec<(Uuid,)> =
             sqlx::query_as("SELECT session_id FROM chain_backfill ORDER BY session_id LIMIT $1")
                 .bind(limit)
@@ -625,6 +814,7 @@ impl LogTx for PgTx {
     }
 
     async fn is_backfill_pending(&mut self, session_id: Uuid) -> Result<bool> {
+        self.flush_for(session_id).await?;
         let row: Option<(i32,)> =
             sqlx::query_as("SELECT 1 FROM chain_backfill WHERE session_id = $1")
                 .bind(session_id)
@@ -635,6 +825,7 @@ impl LogTx for PgTx {
     }
 
     async fn backfill_done(&mut self, session_id: Uuid) -> Result<()> {
+        self.flush().await?;
         sqlx::query("DELETE FROM chain_backfill WHERE session_id = $1")
             .bind(session_id)
             .execute(&mut *self.tx)
@@ -644,6 +835,7 @@ impl LogTx for PgTx {
     }
 
     async fn position_summary(&mut self) -> Result<(i64, i64, i64)> {
+        self.flush().await?;
         let (count, max, last): (i64, i64, i64) = sqlx::query_as(
             "SELECT (SELECT COUNT(*) FROM events), (SELECT COALESCE(MAX(position), 0) FROM events), \
              (SELECT last FROM event_position WHERE id = 1)",
@@ -655,6 +847,7 @@ impl LogTx for PgTx {
     }
 
     async fn record_changes(&mut self, rows: &[ChangeRow]) -> Result<()> {
+        self.flush().await?;
         if rows.is_empty() {
             return Ok(());
         }
@@ -683,6 +876,7 @@ impl LogTx for PgTx {
     }
 
     async fn load_changes(&mut self, session_id: Uuid) -> Result<Vec<ChangeRow>> {
+        self.flush_for(session_id).await?;
         let rows: Vec<PgChange> = sqlx::query_as(
             "SELECT position, tool, session_id, seq, recorded_at, change, evidence_seq \
              FROM activation_changes WHERE session_id = $1 ORDER BY seq, tool",
@@ -695,6 +889,7 @@ impl LogTx for PgTx {
     }
 
     async fn changes_backfill_pending(&mut self, limit: i64) -> Result<Vec<Uuid>> {
+        self.flush().await?;
         let rows: Vec<(Uuid,)> =
             sqlx::query_as("SELECT session_id FROM changes_backfill ORDER BY session_id LIMIT $1")
                 .bind(limit)
@@ -705,6 +900,7 @@ impl LogTx for PgTx {
     }
 
     async fn changes_backfill_done(&mut self, session_id: Uuid) -> Result<()> {
+        self.flush().await?;
         sqlx::query("DELETE FROM changes_backfill WHERE session_id = $1")
             .bind(session_id)
             .execute(&mut *self.tx)
@@ -714,6 +910,7 @@ impl LogTx for PgTx {
     }
 
     async fn commit(mut self) -> Result<()> {
+        self.flush().await?;
         if self.unwritten > 0 {
             sqlx::query("UPDATE event_position SET last = last + $1 WHERE id = 1")
                 .bind(self.unwritten)
