@@ -255,3 +255,66 @@ both_backends!(
         store.close().await;
     }
 );
+
+// Two instances on one database: each append of one instance after the
+// other wrote is judged against the log, not against the head the first
+// instance last saw (PostgreSQL judges a lone append on that head and
+// checks it in the write).
+both_backends!(
+    appends_after_another_instance_wrote_are_judged_against_the_log,
+    |url: String| async move {
+        let a = Store::open(&url).await.unwrap();
+        let b = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        a.append(s, 0, vec![started()]).await.unwrap();
+        a.append(s, 1, vec![prompt("a1")]).await.unwrap();
+        let from_b = prompt("b1").with_id(Uuid::new_v4());
+        b.append(s, 2, vec![from_b.clone()]).await.unwrap();
+
+        // `a` last saw head 2; the head is 3.
+        match a.append(s, 2, vec![]).await {
+            Err(Error::Conflict { current, .. }) => assert_eq!(current, 3),
+            other => panic!("an empty batch at a stale seq conflicts: {other:?}"),
+        }
+        match a.append(s, 2, vec![prompt("late")]).await {
+            Err(Error::Conflict { current, .. }) => assert_eq!(current, 3),
+            other => panic!("a stale expected seq conflicts: {other:?}"),
+        }
+        let retry = a.append(s, 2, vec![from_b]).await.unwrap();
+        assert!(retry.replayed, "b's event sent again through a is a retry");
+        assert_eq!(retry.events[0].seq, 3);
+        assert_eq!(
+            a.append(s, 3, vec![prompt("a2")]).await.unwrap().events[0].seq,
+            4
+        );
+
+        // `a` saw head 4 committed; `b` appends 5; `a` appends at the head.
+        b.append(s, 4, vec![prompt("b2")]).await.unwrap();
+        let at_head = a
+            .append_at_head(s, vec![prompt("a3")], &RetryPolicy::default())
+            .await
+            .unwrap();
+        assert_eq!(at_head.events[0].seq, 6);
+        b.append(s, 5, vec![])
+            .await
+            .expect_err("b's expected seq is stale");
+        assert_eq!(
+            b.append(s, 6, vec![prompt("b3")]).await.unwrap().events[0].seq,
+            7
+        );
+
+        assert_eq!(a.verify(s).await.unwrap(), None);
+        let feed = a.feed(0, 100).await.unwrap();
+        let seqs: Vec<i64> = feed.iter().map(|e| e.seq).collect();
+        assert_eq!(seqs, (1..=7).collect::<Vec<_>>());
+        let positions: Vec<i64> = feed.iter().map(|e| e.position).collect();
+        assert_eq!(positions, (1..=7).collect::<Vec<_>>());
+        a.clear_cache();
+        assert_eq!(
+            a.activations(s, None).await.unwrap(),
+            b.activations(s, None).await.unwrap()
+        );
+        a.close().await;
+        b.close().await;
+    }
+);
