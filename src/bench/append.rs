@@ -16,7 +16,9 @@
 //!   transaction), with the same driver (sqlx), the same connection settings
 //!   and pool size as the store's backend, and so the same durability
 //!   (SQLite WAL with `synchronous=FULL`; PostgreSQL with `fsync` and
-//!   `synchronous_commit` on). It validates nothing, keeps no view and takes
+//!   `synchronous_commit` on). One setting differs on PostgreSQL: the
+//!   ceiling keeps the default plan caching, because forced custom plans
+//!   (which the store's reads need) would slow a bare `INSERT` for nothing. It validates nothing, keeps no view and takes
 //!   no store-wide lock: what the engine and driver allow, which no store on
 //!   top of them can beat.
 
@@ -345,7 +347,7 @@ impl Raw {
             BackendKind::Postgres => {
                 let pool = sqlx::postgres::PgPoolOptions::new()
                     .max_connections(crate::store::postgres::MAX_CONNECTIONS)
-                    .connect_with(crate::store::postgres::connect_options(url)?)
+                    .connect_with(crate::store::postgres::ceiling_connect_options(url)?)
                     .await
                     .map_err(Error::from_sqlx)?;
                 sqlx::raw_sql(
