@@ -18,9 +18,9 @@
 //!   (SQLite WAL with `synchronous=FULL`; PostgreSQL with `fsync` and
 //!   `synchronous_commit` on). One setting differs on PostgreSQL: the
 //!   ceiling keeps the default plan caching, because forced custom plans
-//!   (which the store's reads need) would slow a bare `INSERT` for nothing. It validates nothing, keeps no view and takes
-//!   no store-wide lock: what the engine and driver allow, which no store on
-//!   top of them can beat.
+//!   (which the store's reads need) would slow a bare `INSERT` for nothing.
+//!   It validates nothing, keeps no view and takes no store-wide lock: what
+//!   the engine and driver allow, which no store on top of them can beat.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;

@@ -31,7 +31,7 @@ type Row = (i64, Uuid, i64, Uuid, String, DateTime<Utc>);
 /// A [`Row`] with its chain hash.
 type HashedRow = (i64, Uuid, i64, Uuid, String, DateTime<Utc>, Option<String>);
 
-/// A [`HashedRow`] and whether it is the session's head (`judge_reads`).
+/// A [`HashedRow`] and whether it is the session's head (`prefetch`).
 type JudgeRow = (
     i64,
     Uuid,
@@ -86,9 +86,16 @@ pub(crate) const MAX_CONNECTIONS: u32 = 8;
 
 /// The connection settings of the module docs.
 pub(crate) fn connect_options(url: &str) -> Result<PgConnectOptions> {
+    options_with(url, SESSION_SETTINGS.iter())
+}
+
+fn options_with<'a>(
+    url: &str,
+    settings: impl Iterator<Item = &'a (&'a str, &'a str)>,
+) -> Result<PgConnectOptions> {
     Ok(PgConnectOptions::from_str(url)
         .map_err(|_| Error::BadUrl(url.to_owned()))?
-        .options(SESSION_SETTINGS))
+        .options(settings.copied()))
 }
 
 /// The settings of the bench's raw-insert ceiling: the same timeouts, but
@@ -100,9 +107,7 @@ pub(crate) fn ceiling_connect_options(url: &str) -> Result<PgConnectOptions> {
     let settings = SESSION_SETTINGS
         .iter()
         .filter(|(name, _)| *name != "plan_cache_mode");
-    Ok(PgConnectOptions::from_str(url)
-        .map_err(|_| Error::BadUrl(url.to_owned()))?
-        .options(settings.copied()))
+    options_with(url, settings)
 }
 
 impl PgBackend {
@@ -445,45 +450,20 @@ impl LogTx for PgTx {
         session_id: Uuid,
         ids: &[Uuid],
     ) -> Result<(Vec<StoredEvent>, i64, Option<String>)> {
-        if let Some((head, hash)) = self.heads.get(&session_id) {
-            let read_ahead = ids
+        // Served from what was read ahead; read now (the same way) when it
+        // was not, or when this transaction has written some of the ids.
+        let read_ahead = self.heads.contains_key(&session_id)
+            && ids
                 .iter()
                 .all(|id| self.asked.contains(id) && !self.written.contains(id));
-            if read_ahead {
-                let stored = ids
-                    .iter()
-                    .filter_map(|id| self.prefetched.get(id).cloned())
-                    .collect();
-                return Ok((stored, *head, hash.clone()));
-            }
+        if !read_ahead {
+            self.prefetch(&[session_id], ids).await?;
         }
-        if ids.iter().any(|id| self.buffered.ids.contains(id)) {
-            self.flush().await?;
-        }
-        self.flush_for(session_id).await?;
-        // One round trip: the rows with these ids, then the head row (its
-        // payload left out: only its seq and hash are wanted).
-        let rows: Vec<JudgeRow> = sqlx::query_as(
-            "SELECT position, session_id, seq, event_id, payload, recorded_at, hash, false \
-                 FROM events WHERE event_id = ANY($1) \
-                 UNION ALL \
-                 (SELECT position, session_id, seq, event_id, '', recorded_at, hash, true \
-                  FROM events WHERE session_id = $2 ORDER BY seq DESC LIMIT 1)",
-        )
-        .bind(ids)
-        .bind(session_id)
-        .fetch_all(&mut *self.tx)
-        .await
-        .map_err(Error::from_sqlx)?;
-        let mut stored = Vec::new();
-        let (mut head, mut hash) = (0, None);
-        for (p, s, q, e, payload, t, h, is_head) in rows {
-            if is_head {
-                (head, hash) = (q, h);
-            } else {
-                stored.push(decode((p, s, q, e, payload, t))?);
-            }
-        }
+        let (head, hash) = self.heads.get(&session_id).cloned().unwrap_or((0, None));
+        let stored = ids
+            .iter()
+            .filter_map(|id| self.prefetched.get(id).cloned())
+            .collect();
         Ok((stored, head, hash))
     }
 
@@ -508,7 +488,12 @@ impl LogTx for PgTx {
         for s in sessions {
             self.heads.insert(*s, (0, None));
         }
-        self.asked.extend(ids.iter().copied());
+        // Read after every write was sent: up to date for these ids.
+        for id in ids {
+            self.asked.insert(*id);
+            self.written.remove(id);
+            self.prefetched.remove(id);
+        }
         for (p, s, q, e, payload, t, h, is_head) in rows {
             if is_head {
                 self.heads.insert(s, (q, h));
