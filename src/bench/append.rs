@@ -322,8 +322,7 @@ impl Raw {
     pub(crate) async fn open(kind: BackendKind, url: &str) -> Result<Raw, Error> {
         match kind {
             BackendKind::Sqlite => {
-                let pool = sqlx::sqlite::SqlitePoolOptions::new()
-                    .max_connections(crate::store::sqlite::MAX_CONNECTIONS)
+                let pool = crate::store::sqlite::pool_options()
                     .connect_with(crate::store::sqlite::connect_options(url)?)
                     .await
                     .map_err(Error::from_sqlx)?;
@@ -345,8 +344,7 @@ impl Raw {
                 Ok(Raw::Sqlite(pool))
             }
             BackendKind::Postgres => {
-                let pool = sqlx::postgres::PgPoolOptions::new()
-                    .max_connections(crate::store::postgres::MAX_CONNECTIONS)
+                let pool = crate::store::postgres::pool_options()
                     .connect_with(crate::store::postgres::ceiling_connect_options(url)?)
                     .await
                     .map_err(Error::from_sqlx)?;

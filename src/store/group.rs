@@ -34,7 +34,7 @@ use uuid::Uuid;
 
 use super::{append_in, Backend, LogTx, StateCache, StoreOptions};
 use crate::error::{Error, Result};
-use crate::event::NewEvent;
+use crate::event::{EventBody, NewEvent};
 use crate::projector::SessionState;
 use crate::store::AppendOutcome;
 
@@ -114,13 +114,22 @@ async fn run<T: LogTx>(
     // trips to save serves each append's `judge_reads` from it).
     let mut sessions: Vec<Uuid> = Vec::new();
     let mut ids: Vec<Uuid> = Vec::new();
+    let mut calls: Vec<(Uuid, &str)> = Vec::new();
     for p in group.iter().filter(|p| !p.reply.is_closed()) {
         if !sessions.contains(&p.session_id) {
             sessions.push(p.session_id);
         }
         ids.extend(p.events.iter().filter_map(|e| e.event_id));
+        calls.extend(p.events.iter().filter_map(|e| match &e.body {
+            EventBody::ToolCall { call_id, .. } | EventBody::ToolResult { call_id, .. } => {
+                Some((p.session_id, call_id.as_str()))
+            }
+            _ => None,
+        }));
     }
-    if let Err(e) = tx.prefetch(&sessions, &ids).await {
+    let prefetched = tx.prefetch(&sessions, &ids, &calls).await;
+    drop(calls);
+    if let Err(e) = prefetched {
         for p in group {
             let _ = p.reply.send(Err(again(&e)));
         }

@@ -199,15 +199,18 @@ pub(crate) trait LogTx: Send {
         }
     }
     /// Reads ahead what the group's judgements will ask for: the heads of
-    /// `sessions` and the stored events with any of `ids`, in one round
-    /// trip, so that `judge_reads` of each append of a group costs none. The
-    /// default reads nothing (an embedded backend has no round trip to save).
+    /// `sessions`, the stored events with any of `ids`, and (where the
+    /// backend serves them too) the sessions' views and the calls index
+    /// rows of `calls` (session, call id), in one round trip, so that the
+    /// reads of each append of a group cost none until the transaction
+    /// writes that session. The default reads nothing.
     fn prefetch(
         &mut self,
         sessions: &[Uuid],
         ids: &[Uuid],
+        calls: &[(Uuid, &str)],
     ) -> impl Future<Output = Result<()>> + Send {
-        let _ = (sessions, ids);
+        let _ = (sessions, ids, calls);
         async { Ok(()) }
     }
     /// Writes an accepted batch: its rows, calls, view and owner, and the

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::{Postgres, Transaction};
+use sqlx::{Connection, Postgres, Transaction};
 use uuid::Uuid;
 
 use super::{Accepted, CallRow, ChangeRow, LogTx, PendingRow, StoreOptions, ViewColumns, ViewRow};
@@ -84,6 +84,33 @@ fn decode(row: Row) -> Result<StoredEvent> {
 /// Connections in the pool.
 pub(crate) const MAX_CONNECTIONS: u32 = 8;
 
+/// A pooled connection used this recently is handed out without a ping.
+const TRUSTED_IDLE: Duration = Duration::from_secs(1);
+
+/// The pool settings, shared by the store and the bench's raw-insert
+/// ceiling. sqlx pings every connection before handing it out (a round trip
+/// on every transaction: one in six of a single-event append's). Here only
+/// a connection idle for [`TRUSTED_IDLE`] or longer is pinged (a failed ping
+/// closes it and another is taken, as before); one used within the last
+/// second is trusted. sqlx still pings each connection when it is released,
+/// so one that failed during use is closed then. What this gives up: a
+/// server restart less than a second after a connection's last use fails
+/// the next statement on it, once, with a retryable error
+/// (docs/design.md, "Connection health").
+pub(crate) fn pool_options() -> PgPoolOptions {
+    PgPoolOptions::new()
+        .max_connections(MAX_CONNECTIONS)
+        .test_before_acquire(false)
+        .before_acquire(|conn, meta| {
+            Box::pin(async move {
+                if meta.idle_for >= TRUSTED_IDLE {
+                    conn.ping().await?;
+                }
+                Ok(true)
+            })
+        })
+}
+
 /// The connection settings of the module docs.
 pub(crate) fn connect_options(url: &str) -> Result<PgConnectOptions> {
     options_with(url, SESSION_SETTINGS.iter())
@@ -113,8 +140,7 @@ pub(crate) fn ceiling_connect_options(url: &str) -> Result<PgConnectOptions> {
 impl PgBackend {
     pub(crate) async fn connect(url: &str, options: &StoreOptions) -> Result<PgBackend> {
         let connect = connect_options(url)?;
-        let pool = PgPoolOptions::new()
-            .max_connections(MAX_CONNECTIONS)
+        let pool = pool_options()
             .acquire_timeout(Duration::from_secs(options.connect_timeout_secs.max(1)))
             .connect_with(connect)
             .await
@@ -457,7 +483,7 @@ impl LogTx for PgTx {
                 .iter()
                 .all(|id| self.asked.contains(id) && !self.written.contains(id));
         if !read_ahead {
-            self.prefetch(&[session_id], ids).await?;
+            self.prefetch(&[session_id], ids, &[]).await?;
         }
         let (head, hash) = self.heads.get(&session_id).cloned().unwrap_or((0, None));
         let stored = ids
@@ -467,7 +493,12 @@ impl LogTx for PgTx {
         Ok((stored, head, hash))
     }
 
-    async fn prefetch(&mut self, sessions: &[Uuid], ids: &[Uuid]) -> Result<()> {
+    async fn prefetch(
+        &mut self,
+        sessions: &[Uuid],
+        ids: &[Uuid],
+        _calls: &[(Uuid, &str)],
+    ) -> Result<()> {
         self.flush().await?;
         // The rows with these ids, then each session's head row (its
         // payload left out: only its seq and hash are wanted).

@@ -7,6 +7,7 @@
 //! with `BEGIN IMMEDIATE`, so a transaction never has to upgrade a read lock
 //! and fail with SQLITE_BUSY half-way.
 
+use std::collections::{HashMap, HashSet};
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -14,7 +15,7 @@ use chrono::{DateTime, Utc};
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
-use sqlx::{QueryBuilder, Sqlite, Transaction};
+use sqlx::{QueryBuilder, Row as _, Sqlite, Transaction};
 use uuid::Uuid;
 
 use super::{Accepted, CallRow, ChangeRow, LogTx, PendingRow, StoreOptions, ViewColumns, ViewRow};
@@ -75,8 +76,23 @@ fn path_of(url: &str) -> &str {
 /// Connections in the pool: readers run beside the one writer (WAL).
 pub(crate) const MAX_CONNECTIONS: u32 = 4;
 
+/// The pool settings, shared by the store and the bench's raw-insert
+/// ceiling. No ping before each acquire (sqlx's default): the database is
+/// in this process, so a connection cannot go stale, and the ping cost a
+/// hop to the connection's worker thread on every transaction.
+pub(crate) fn pool_options() -> SqlitePoolOptions {
+    SqlitePoolOptions::new()
+        .max_connections(MAX_CONNECTIONS)
+        .test_before_acquire(false)
+}
+
 /// The connection settings of the module docs (WAL, `synchronous=FULL`, a
-/// busy timeout); the bench opens its raw-insert ceiling with the same ones.
+/// busy timeout, statement journals in memory); the bench opens its
+/// raw-insert ceiling with the same ones. `temp_store=memory` keeps the
+/// statement journal of a multi-row insert inside a transaction (which
+/// SQLite writes so that a failing statement can be undone alone) off a
+/// temporary file: measured, a batch of 100 events spilled it to disk on
+/// every append. It holds nothing a crash needs: the WAL does.
 pub(crate) fn connect_options(url: &str) -> Result<SqliteConnectOptions> {
     let path = path_of(url);
     if path.is_empty() {
@@ -88,6 +104,7 @@ pub(crate) fn connect_options(url: &str) -> Result<SqliteConnectOptions> {
         .journal_mode(SqliteJournalMode::Wal)
         .synchronous(SqliteSynchronous::Full)
         .busy_timeout(Duration::from_secs(10))
+        .pragma("temp_store", "memory")
         .foreign_keys(true))
 }
 
@@ -104,8 +121,7 @@ impl SqliteBackend {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let result = SqlitePoolOptions::new()
-                .max_connections(MAX_CONNECTIONS)
+            let result = pool_options()
                 .acquire_timeout(Duration::from_secs(
                     options.connect_timeout_secs.max(1) + 10,
                 ))
@@ -155,13 +171,21 @@ impl SqliteBackend {
             .begin_with("BEGIN IMMEDIATE")
             .await
             .map_err(Error::from_sqlx)?;
-        Ok(SqliteTx(tx, None))
+        Ok(SqliteTx {
+            tx,
+            last_position: None,
+            memo: Memo::default(),
+        })
     }
 
     /// A read transaction: one snapshot for the view, window and tail.
     pub(crate) async fn begin_read(&self) -> Result<SqliteTx> {
         let tx = self.pool.begin().await.map_err(Error::from_sqlx)?;
-        Ok(SqliteTx(tx, None))
+        Ok(SqliteTx {
+            tx,
+            last_position: None,
+            memo: Memo::default(),
+        })
     }
 
     pub(crate) async fn head_seq(&self, session_id: Uuid) -> Result<i64> {
@@ -283,14 +307,92 @@ async fn head_seq<'e, E: sqlx::SqliteExecutor<'e>>(ex: E, session_id: Uuid) -> R
     Ok(seq)
 }
 
-/// A transaction (a write transaction holds SQLite's write lock) and the
-/// largest position, when [`LogTx::head`] read it: under the write lock it
-/// cannot change, so reserving positions needs no statement of its own.
-pub(crate) struct SqliteTx(Transaction<'static, Sqlite>, Option<i64>);
+/// A transaction (a write transaction holds SQLite's write lock) and what
+/// it knows without asking: under the write lock nothing changes but what
+/// this transaction writes.
+pub(crate) struct SqliteTx {
+    tx: Transaction<'static, Sqlite>,
+    /// The largest position, once read ([`LogTx::head`], `prefetch`) and
+    /// kept current by this transaction's inserts, so reserving positions
+    /// needs no statement of its own.
+    last_position: Option<i64>,
+    /// What `prefetch` read for a group.
+    memo: Memo,
+}
+
+/// What `prefetch` read ahead for a group commit, served to the group's
+/// judgements instead of a statement each (each statement is a hop to the
+/// driver's worker thread). A session's part is dropped when this
+/// transaction writes to the session; an event id this transaction wrote is
+/// never answered from it.
+#[derive(Default)]
+struct Memo {
+    /// Per session: its head seq and hash, its view, and the calls index
+    /// rows of the call ids asked for.
+    sessions: HashMap<Uuid, SessionMemo>,
+    /// The event ids asked for.
+    ids: HashSet<Uuid>,
+    /// The stored events among them.
+    stored: HashMap<Uuid, StoredEvent>,
+    /// Event ids this transaction wrote.
+    written: HashSet<Uuid>,
+}
+
+struct SessionMemo {
+    head: i64,
+    hash: Option<String>,
+    view: Option<ViewRow>,
+    /// The call ids asked for.
+    asked_calls: HashSet<String>,
+    /// The calls index rows found among them.
+    calls: Vec<CallRow>,
+}
+
+/// The prefetch, one statement of rows of five kinds, told apart by the
+/// first column (SQLite's columns take any type): 0 a session's head seq
+/// and hash, 1 a stored event with one of the ids, 2 a session's view,
+/// 3 a calls index row, 4 the largest position. The lists come as JSON
+/// arrays, so the statement's text never changes and stays prepared.
+const PREFETCH: &str = "\
+SELECT 0, s.value, \
+    (SELECT seq FROM events WHERE session_id = s.value ORDER BY seq DESC LIMIT 1), \
+    (SELECT hash FROM events WHERE session_id = s.value ORDER BY seq DESC LIMIT 1), \
+    NULL, NULL, NULL, NULL, NULL, NULL \
+  FROM json_each(?1) s \
+UNION ALL SELECT 1, session_id, position, seq, event_id, payload, recorded_at, hash, NULL, NULL \
+  FROM events WHERE event_id IN (SELECT value FROM json_each(?2)) \
+UNION ALL SELECT 2, session_id, refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active \
+  FROM session_views WHERE session_id IN (SELECT value FROM json_each(?1)) \
+UNION ALL SELECT 3, c.session_id, c.call_id, c.tool_name, c.call_seq, c.result_seq, NULL, NULL, NULL, NULL \
+  FROM json_each(?3) j JOIN calls c \
+    ON c.session_id = json_extract(j.value, '$[0]') AND c.call_id = json_extract(j.value, '$[1]') \
+UNION ALL SELECT 4, NULL, (SELECT COALESCE(MAX(position), 0) FROM events), NULL, NULL, NULL, NULL, NULL, NULL, NULL";
+
+impl SqliteTx {
+    /// This transaction wrote to `session_id`: the memo no longer knows it.
+    fn wrote(&mut self, session_id: Uuid) {
+        self.memo.sessions.remove(&session_id);
+    }
+
+    /// This transaction inserted `rows` (in position order).
+    fn inserted(&mut self, rows: &[PendingRow]) {
+        for r in rows {
+            self.memo.sessions.remove(&r.session_id);
+            self.memo.written.insert(r.event_id);
+        }
+        if let Some(last) = rows.last() {
+            self.last_position = Some(self.last_position.unwrap_or(0).max(last.position));
+        }
+    }
+}
+
+fn corrupt_prefetch(e: sqlx::Error) -> Error {
+    Error::Corrupt(format!("a prefetched row could not be read: {e}"))
+}
 
 impl LogTx for SqliteTx {
     async fn head_seq(&mut self, session_id: Uuid) -> Result<i64> {
-        head_seq(&mut *self.0, session_id).await
+        head_seq(&mut *self.tx, session_id).await
     }
 
     async fn head(&mut self, session_id: Uuid) -> Result<(i64, Option<String>)> {
@@ -302,11 +404,110 @@ impl LogTx for SqliteTx {
              (SELECT hash FROM events WHERE session_id = ?1 ORDER BY seq DESC LIMIT 1)",
         )
         .bind(session_id.to_string())
-        .fetch_one(&mut *self.0)
+        .fetch_one(&mut *self.tx)
         .await
         .map_err(Error::from_sqlx)?;
-        self.1 = Some(last_position);
+        self.last_position = Some(last_position);
         Ok((seq.unwrap_or(0), hash))
+    }
+
+    async fn prefetch(
+        &mut self,
+        sessions: &[Uuid],
+        ids: &[Uuid],
+        calls: &[(Uuid, &str)],
+    ) -> Result<()> {
+        let json = |v: Vec<serde_json::Value>| serde_json::Value::Array(v).to_string();
+        let sessions_json = json(sessions.iter().map(|s| s.to_string().into()).collect());
+        let ids_json = json(ids.iter().map(|i| i.to_string().into()).collect());
+        let calls_json = json(
+            calls
+                .iter()
+                .map(|(s, c)| serde_json::json!([s.to_string(), c]))
+                .collect(),
+        );
+        let rows = sqlx::query(PREFETCH)
+            .bind(sessions_json)
+            .bind(ids_json)
+            .bind(calls_json)
+            .fetch_all(&mut *self.tx)
+            .await
+            .map_err(Error::from_sqlx)?;
+        let mut memo = Memo {
+            ids: ids.iter().copied().collect(),
+            ..Memo::default()
+        };
+        let mut views = HashMap::new();
+        let mut found_calls: HashMap<Uuid, Vec<CallRow>> = HashMap::new();
+        for row in rows {
+            let kind: i64 = row.try_get(0).map_err(corrupt_prefetch)?;
+            let session = |row: &sqlx::sqlite::SqliteRow| -> Result<Uuid> {
+                let s: String = row.try_get(1).map_err(corrupt_prefetch)?;
+                Uuid::parse_str(&s).map_err(|_| Error::Corrupt(format!("bad session_id {s:?}")))
+            };
+            match kind {
+                0 => {
+                    let head: Option<i64> = row.try_get(2).map_err(corrupt_prefetch)?;
+                    let hash: Option<String> = row.try_get(3).map_err(corrupt_prefetch)?;
+                    memo.sessions.insert(
+                        session(&row)?,
+                        SessionMemo {
+                            head: head.unwrap_or(0),
+                            hash,
+                            view: None,
+                            asked_calls: HashSet::new(),
+                            calls: Vec::new(),
+                        },
+                    );
+                }
+                1 => {
+                    let event = decode((
+                        row.try_get(2).map_err(corrupt_prefetch)?,
+                        row.try_get(1).map_err(corrupt_prefetch)?,
+                        row.try_get(3).map_err(corrupt_prefetch)?,
+                        row.try_get(4).map_err(corrupt_prefetch)?,
+                        row.try_get(5).map_err(corrupt_prefetch)?,
+                        row.try_get(6).map_err(corrupt_prefetch)?,
+                    ))?;
+                    memo.stored.insert(event.event_id, event);
+                }
+                2 => {
+                    let id = session(&row)?;
+                    let columns: ViewColumns = (
+                        row.try_get(2).map_err(corrupt_prefetch)?,
+                        row.try_get(3).map_err(corrupt_prefetch)?,
+                        row.try_get(4).map_err(corrupt_prefetch)?,
+                        row.try_get(5).map_err(corrupt_prefetch)?,
+                        row.try_get(6).map_err(corrupt_prefetch)?,
+                        row.try_get(7).map_err(corrupt_prefetch)?,
+                        row.try_get(8).map_err(corrupt_prefetch)?,
+                        row.try_get(9).map_err(corrupt_prefetch)?,
+                    );
+                    views.insert(id, ViewRow::from_columns(id, columns));
+                }
+                3 => {
+                    let call: CallRow = (
+                        row.try_get(2).map_err(corrupt_prefetch)?,
+                        row.try_get(3).map_err(corrupt_prefetch)?,
+                        row.try_get(4).map_err(corrupt_prefetch)?,
+                        row.try_get(5).map_err(corrupt_prefetch)?,
+                    );
+                    found_calls.entry(session(&row)?).or_default().push(call);
+                }
+                _ => self.last_position = Some(row.try_get(2).map_err(corrupt_prefetch)?),
+            }
+        }
+        for (id, m) in memo.sessions.iter_mut() {
+            m.view = views.remove(id);
+            m.calls = found_calls.remove(id).unwrap_or_default();
+        }
+        for (s, c) in calls {
+            if let Some(m) = memo.sessions.get_mut(s) {
+                m.asked_calls.insert((*c).to_owned());
+            }
+        }
+        self.memo = memo;
+        Ok(())
     }
 
     async fn judge_reads(
@@ -314,6 +515,20 @@ impl LogTx for SqliteTx {
         session_id: Uuid,
         ids: &[Uuid],
     ) -> Result<(Vec<StoredEvent>, i64, Option<String>)> {
+        let memo = &self.memo;
+        if let Some(m) = memo.sessions.get(&session_id) {
+            if self.last_position.is_some()
+                && ids
+                    .iter()
+                    .all(|id| memo.ids.contains(id) && !memo.written.contains(id))
+            {
+                let stored = ids
+                    .iter()
+                    .filter_map(|id| memo.stored.get(id).cloned())
+                    .collect();
+                return Ok((stored, m.head, m.hash.clone()));
+            }
+        }
         if ids.len() > INSERT_CHUNK {
             let stored = self.stored_by_ids(ids).await?;
             let (head, hash) = self.head(session_id).await?;
@@ -339,14 +554,14 @@ impl LogTx for SqliteTx {
         q.push(" ORDER BY seq DESC LIMIT 1), 1");
         let rows: Vec<JudgeRow> = q
             .build_query_as()
-            .fetch_all(&mut *self.0)
+            .fetch_all(&mut *self.tx)
             .await
             .map_err(Error::from_sqlx)?;
         let mut stored = Vec::new();
         let (mut head, mut hash) = (0, None);
         for (position, s, seq, e, payload, t, h, is_head) in rows {
             if is_head == 1 {
-                self.1 = Some(position);
+                self.last_position = Some(position);
                 (head, hash) = (seq.unwrap_or(0), h);
             } else {
                 stored.push(decode((position, s, seq.unwrap_or(0), e, payload, t))?);
@@ -434,9 +649,11 @@ impl LogTx for SqliteTx {
             q.push(";\n");
         }
         q.build()
-            .execute(&mut *self.0)
+            .execute(&mut *self.tx)
             .await
             .map_err(Error::from_sqlx)?;
+        self.wrote(w.session_id);
+        self.inserted(w.rows);
         // SQLite has no notifications; subscribers poll.
         Ok(())
     }
@@ -454,7 +671,7 @@ impl LogTx for SqliteTx {
             q.push(")");
             let rows: Vec<Row> = q
                 .build_query_as()
-                .fetch_all(&mut *self.0)
+                .fetch_all(&mut *self.tx)
                 .await
                 .map_err(Error::from_sqlx)?;
             for row in rows {
@@ -471,7 +688,7 @@ impl LogTx for SqliteTx {
         .bind(session_id.to_string())
         .bind(after)
         .bind(upto)
-        .fetch_all(&mut *self.0)
+        .fetch_all(&mut *self.tx)
         .await
         .map_err(Error::from_sqlx)?;
         rows.into_iter().map(decode).collect()
@@ -479,12 +696,13 @@ impl LogTx for SqliteTx {
 
     async fn reserve_positions(&mut self, _n: i64) -> Result<i64> {
         // The write lock is held: nobody else can take a position before we
-        // commit, so the next free one is simply max + 1.
-        if let Some(last) = self.1.take() {
+        // commit, so the next free one is simply max + 1 (the insert that
+        // takes them moves `last_position` on).
+        if let Some(last) = self.last_position {
             return Ok(last + 1);
         }
         let (last,): (i64,) = sqlx::query_as("SELECT COALESCE(MAX(position), 0) FROM events")
-            .fetch_one(&mut *self.0)
+            .fetch_one(&mut *self.tx)
             .await
             .map_err(Error::from_sqlx)?;
         Ok(last + 1)
@@ -509,26 +727,31 @@ impl LogTx for SqliteTx {
                     .push_bind(r.hash.as_str());
             });
             q.build()
-                .execute(&mut *self.0)
+                .execute(&mut *self.tx)
                 .await
                 .map_err(Error::from_sqlx)?;
         }
+        self.inserted(rows);
         Ok(())
     }
 
     async fn load_view(&mut self, session_id: Uuid) -> Result<Option<ViewRow>> {
+        if let Some(m) = self.memo.sessions.get(&session_id) {
+            return Ok(m.view.clone());
+        }
         let row: Option<ViewColumns> = sqlx::query_as(
             "SELECT refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active \
              FROM session_views WHERE session_id = ?",
         )
         .bind(session_id.to_string())
-        .fetch_optional(&mut *self.0)
+        .fetch_optional(&mut *self.tx)
         .await
         .map_err(Error::from_sqlx)?;
         Ok(row.map(|r| ViewRow::from_columns(session_id, r)))
     }
 
     async fn write_view(&mut self, v: &ViewRow) -> Result<()> {
+        self.wrote(v.session_id);
         sqlx::query(
             "INSERT OR REPLACE INTO session_views \
              (session_id, refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active) \
@@ -543,13 +766,23 @@ impl LogTx for SqliteTx {
         .bind(&v.catalogs)
         .bind(&v.evidence)
         .bind(&v.active)
-        .execute(&mut *self.0)
+        .execute(&mut *self.tx)
         .await
         .map_err(Error::from_sqlx)?;
         Ok(())
     }
 
     async fn calls(&mut self, session_id: Uuid, call_ids: &[String]) -> Result<Vec<CallRow>> {
+        if let Some(m) = self.memo.sessions.get(&session_id) {
+            if call_ids.iter().all(|c| m.asked_calls.contains(c)) {
+                return Ok(m
+                    .calls
+                    .iter()
+                    .filter(|row| call_ids.contains(&row.0))
+                    .cloned()
+                    .collect());
+            }
+        }
         let mut out = Vec::new();
         for chunk in call_ids.chunks(INSERT_CHUNK) {
             let mut q = QueryBuilder::<Sqlite>::new(
@@ -564,7 +797,7 @@ impl LogTx for SqliteTx {
             q.push(")");
             let rows: Vec<CallRow> = q
                 .build_query_as()
-                .fetch_all(&mut *self.0)
+                .fetch_all(&mut *self.tx)
                 .await
                 .map_err(Error::from_sqlx)?;
             out.extend(rows);
@@ -573,6 +806,7 @@ impl LogTx for SqliteTx {
     }
 
     async fn record_calls(&mut self, session_id: Uuid, rows: &[CallRow]) -> Result<()> {
+        self.wrote(session_id);
         for chunk in rows.chunks(INSERT_CHUNK) {
             let mut q = QueryBuilder::<Sqlite>::new(
                 "INSERT INTO calls (session_id, call_id, tool_name, call_seq, result_seq) ",
@@ -588,7 +822,7 @@ impl LogTx for SqliteTx {
                 " ON CONFLICT (session_id, call_id) DO UPDATE SET result_seq = excluded.result_seq",
             );
             q.build()
-                .execute(&mut *self.0)
+                .execute(&mut *self.tx)
                 .await
                 .map_err(Error::from_sqlx)?;
         }
@@ -601,13 +835,14 @@ impl LogTx for SqliteTx {
              AND type IN ('prompt_submitted', 'mode_switched')",
         )
         .bind(session_id.to_string())
-        .fetch_one(&mut *self.0)
+        .fetch_one(&mut *self.tx)
         .await
         .map_err(Error::from_sqlx)?;
         Ok(seq)
     }
 
     async fn clear_derived(&mut self, session_id: Uuid) -> Result<()> {
+        self.wrote(session_id);
         for sql in [
             "DELETE FROM session_views WHERE session_id = ?",
             "DELETE FROM calls WHERE session_id = ?",
@@ -615,7 +850,7 @@ impl LogTx for SqliteTx {
         ] {
             sqlx::query(sql)
                 .bind(session_id.to_string())
-                .execute(&mut *self.0)
+                .execute(&mut *self.tx)
                 .await
                 .map_err(Error::from_sqlx)?;
         }
@@ -625,7 +860,7 @@ impl LogTx for SqliteTx {
     async fn session_ids(&mut self) -> Result<Vec<Uuid>> {
         let rows: Vec<(String,)> =
             sqlx::query_as("SELECT DISTINCT session_id FROM events ORDER BY session_id")
-                .fetch_all(&mut *self.0)
+                .fetch_all(&mut *self.tx)
                 .await
                 .map_err(Error::from_sqlx)?;
         rows.into_iter()
@@ -639,17 +874,18 @@ impl LogTx for SqliteTx {
         let row: Option<(String,)> =
             sqlx::query_as("SELECT tenant FROM session_owners WHERE session_id = ?")
                 .bind(session_id.to_string())
-                .fetch_optional(&mut *self.0)
+                .fetch_optional(&mut *self.tx)
                 .await
                 .map_err(Error::from_sqlx)?;
         Ok(row.map(|(t,)| t))
     }
 
     async fn claim_session(&mut self, session_id: Uuid, tenant: &str) -> Result<()> {
+        self.wrote(session_id);
         sqlx::query("INSERT INTO session_owners (session_id, tenant) VALUES (?, ?)")
             .bind(session_id.to_string())
             .bind(tenant)
-            .execute(&mut *self.0)
+            .execute(&mut *self.tx)
             .await
             .map_err(Error::from_sqlx)?;
         Ok(())
@@ -673,7 +909,7 @@ impl LogTx for SqliteTx {
             .bind(session_id.to_string())
             .bind(after)
             .bind(limit)
-            .fetch_all(&mut *self.0)
+            .fetch_all(&mut *self.tx)
             .await
             .map_err(Error::from_sqlx)?;
         rows.into_iter()
@@ -682,10 +918,12 @@ impl LogTx for SqliteTx {
     }
 
     async fn set_hash(&mut self, position: i64, hash: &str) -> Result<()> {
+        // Chaining an old session rewrites hashes the memo may hold.
+        self.memo.sessions.clear();
         sqlx::query("UPDATE events SET hash = ? WHERE position = ? AND hash IS NULL")
             .bind(hash)
             .bind(position)
-            .execute(&mut *self.0)
+            .execute(&mut *self.tx)
             .await
             .map_err(Error::from_sqlx)?;
         Ok(())
@@ -695,7 +933,7 @@ impl LogTx for SqliteTx {
         let rows: Vec<(String,)> =
             sqlx::query_as("SELECT session_id FROM chain_backfill ORDER BY session_id LIMIT ?")
                 .bind(limit)
-                .fetch_all(&mut *self.0)
+                .fetch_all(&mut *self.tx)
                 .await
                 .map_err(Error::from_sqlx)?;
         rows.into_iter()
@@ -711,7 +949,7 @@ impl LogTx for SqliteTx {
         let row: Option<(i64,)> =
             sqlx::query_as("SELECT 1 FROM chain_backfill WHERE session_id = ?")
                 .bind(session_id.to_string())
-                .fetch_optional(&mut *self.0)
+                .fetch_optional(&mut *self.tx)
                 .await
                 .map_err(Error::from_sqlx)?;
         Ok(row.is_some())
@@ -720,7 +958,7 @@ impl LogTx for SqliteTx {
     async fn backfill_done(&mut self, session_id: Uuid) -> Result<()> {
         sqlx::query("DELETE FROM chain_backfill WHERE session_id = ?")
             .bind(session_id.to_string())
-            .execute(&mut *self.0)
+            .execute(&mut *self.tx)
             .await
             .map_err(Error::from_sqlx)?;
         Ok(())
@@ -730,7 +968,7 @@ impl LogTx for SqliteTx {
         // Positions are max + 1 at each append, so the counter is the max.
         let (count, max): (i64, i64) =
             sqlx::query_as("SELECT COUNT(*), COALESCE(MAX(position), 0) FROM events")
-                .fetch_one(&mut *self.0)
+                .fetch_one(&mut *self.tx)
                 .await
                 .map_err(Error::from_sqlx)?;
         Ok((count, max, max))
@@ -751,7 +989,7 @@ impl LogTx for SqliteTx {
                     .push_bind(r.evidence_seq);
             });
             q.build()
-                .execute(&mut *self.0)
+                .execute(&mut *self.tx)
                 .await
                 .map_err(Error::from_sqlx)?;
         }
@@ -761,7 +999,7 @@ impl LogTx for SqliteTx {
     async fn load_changes(&mut self, session_id: Uuid) -> Result<Vec<ChangeRow>> {
         let rows: Vec<SqliteChange> = sqlx::query_as(CHANGE_SELECT_SESSION)
             .bind(session_id.to_string())
-            .fetch_all(&mut *self.0)
+            .fetch_all(&mut *self.tx)
             .await
             .map_err(Error::from_sqlx)?;
         rows.into_iter().map(decode_change).collect()
@@ -771,7 +1009,7 @@ impl LogTx for SqliteTx {
         let rows: Vec<(String,)> =
             sqlx::query_as("SELECT session_id FROM changes_backfill ORDER BY session_id LIMIT ?")
                 .bind(limit)
-                .fetch_all(&mut *self.0)
+                .fetch_all(&mut *self.tx)
                 .await
                 .map_err(Error::from_sqlx)?;
         rows.into_iter()
@@ -786,14 +1024,14 @@ impl LogTx for SqliteTx {
     async fn changes_backfill_done(&mut self, session_id: Uuid) -> Result<()> {
         sqlx::query("DELETE FROM changes_backfill WHERE session_id = ?")
             .bind(session_id.to_string())
-            .execute(&mut *self.0)
+            .execute(&mut *self.tx)
             .await
             .map_err(Error::from_sqlx)?;
         Ok(())
     }
 
     async fn commit(self) -> Result<()> {
-        self.0.commit().await.map_err(Error::from_sqlx)
+        self.tx.commit().await.map_err(Error::from_sqlx)
     }
 }
 
