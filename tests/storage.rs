@@ -501,3 +501,89 @@ fn processes_opening_a_new_sqlite_file_at_once_all_succeed() {
         }
     }
 }
+
+// Calls that left the effective window are known only to the calls index,
+// which an append reads ahead with its group (src/store/group.rs): a call id
+// used before a compaction stays taken, and its late result is still
+// accepted, by the instance that wrote it (warm cache) and by a fresh one.
+both_backends!(
+    calls_compacted_away_are_still_judged_from_the_calls_index,
+    |url: String| async move {
+        let compaction = || {
+            NewEvent::new(EventBody::Compaction {
+                summary: "earlier work".into(),
+                first_kept_event_id: None,
+                tokens_before: None,
+            })
+        };
+        for fresh in [false, true] {
+            let writer = Store::open(&url).await.unwrap();
+            let s = Uuid::new_v4();
+            let head = writer
+                .append(
+                    s,
+                    0,
+                    vec![
+                        started(),
+                        catalog(&["web_fetch"]),
+                        prompt("go"),
+                        call("c1", "ToolSearch"),
+                        result("c1", "ToolSearch", ToolStatus::Success, &["web_fetch"]),
+                        call("c2", "Read"),
+                        compaction(),
+                        prompt("next"),
+                    ],
+                )
+                .await
+                .unwrap()
+                .events
+                .last()
+                .unwrap()
+                .seq;
+            let store = if fresh {
+                writer.close().await;
+                Store::open(&url).await.unwrap()
+            } else {
+                writer
+            };
+            let reused = store
+                .append(s, head, vec![call("c1", "Grep")])
+                .await
+                .expect_err("a call id used before the compaction is taken");
+            match &reused {
+                Error::Invalid(v) => assert_eq!(v.rule, Rule::DuplicateCallId, "{reused}"),
+                other => panic!("expected a validation error, got {other:?}"),
+            }
+            let answered = store
+                .append(
+                    s,
+                    head,
+                    vec![result("c2", "Read", ToolStatus::Success, &[])],
+                )
+                .await
+                .unwrap();
+            assert_eq!(answered.events[0].seq, head + 1);
+            let twice = store
+                .append(
+                    s,
+                    head + 1,
+                    vec![result("c2", "Read", ToolStatus::Success, &[])],
+                )
+                .await
+                .expect_err("a second result for the same call");
+            match &twice {
+                Error::Invalid(v) => assert_eq!(v.rule, Rule::DuplicateResult, "{twice}"),
+                other => panic!("expected a validation error, got {other:?}"),
+            }
+            // The compaction dropped the search result's evidence (§7), and
+            // the view the next refresh point writes says so.
+            store
+                .append(s, head + 1, vec![prompt("more")])
+                .await
+                .unwrap();
+            assert!(store.activations(s, None).await.unwrap().tools.is_empty());
+            assert_eq!(store.verify(s).await.unwrap(), None, "fresh: {fresh}");
+            store.close().await;
+        }
+    }
+);

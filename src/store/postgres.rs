@@ -31,7 +31,9 @@ type Row = (i64, Uuid, i64, Uuid, String, DateTime<Utc>);
 /// A [`Row`] with its chain hash.
 type HashedRow = (i64, Uuid, i64, Uuid, String, DateTime<Utc>, Option<String>);
 
-/// A [`HashedRow`] and whether it is the session's head (`prefetch`).
+/// A row of `prefetch`: a [`HashedRow`] and whether it is the session's
+/// head, or (with the last column set) the counter's value and the views
+/// and calls index rows asked for, as JSON.
 type JudgeRow = (
     i64,
     Uuid,
@@ -41,6 +43,23 @@ type JudgeRow = (
     DateTime<Utc>,
     Option<String>,
     bool,
+    Option<String>,
+);
+
+/// A calls index row as `prefetch` returns it (JSON array).
+type CallJson = (Uuid, String, String, i64, Option<i64>);
+
+/// A view as `prefetch` returns it (JSON array).
+type ViewJson = (
+    Uuid,
+    i64,
+    String,
+    i64,
+    Option<i64>,
+    Option<String>,
+    String,
+    String,
+    String,
 );
 
 const COLUMNS: &str = "position, session_id, seq, event_id, payload, recorded_at";
@@ -161,13 +180,15 @@ impl PgBackend {
     }
 
     pub(crate) async fn begin_write(&self) -> Result<PgTx> {
-        let mut tx = self.pool.begin().await.map_err(Error::from_sqlx)?;
-        let (last,): (i64,) =
-            sqlx::query_as("SELECT last FROM event_position WHERE id = 1 FOR UPDATE")
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(Error::from_sqlx)?;
-        Ok(PgTx::new(tx, last))
+        // The transaction and the counter's lock in one round trip (one
+        // simple-protocol message); the counter's value is read later, by
+        // the group's read-ahead or when positions are reserved.
+        let tx = self
+            .pool
+            .begin_with("BEGIN; SELECT 1 FROM event_position WHERE id = 1 FOR UPDATE")
+            .await
+            .map_err(Error::from_sqlx)?;
+        Ok(PgTx::new(tx))
     }
 
     /// A read transaction: one snapshot (REPEATABLE READ) for the view,
@@ -178,7 +199,7 @@ impl PgBackend {
             .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
             .await
             .map_err(Error::from_sqlx)?;
-        Ok(PgTx::new(tx, 0))
+        Ok(PgTx::new(tx))
     }
 
     pub(crate) async fn head_seq(&self, session_id: Uuid) -> Result<i64> {
@@ -316,8 +337,9 @@ async fn head_seq<'e, E: sqlx::PgExecutor<'e>>(ex: E, session_id: Uuid) -> Resul
 /// writes, which the transaction tracks.
 pub(crate) struct PgTx {
     tx: Transaction<'static, Postgres>,
-    /// The counter's value when the lock was taken, plus what was reserved.
-    last: i64,
+    /// The counter's value under the lock, plus what was reserved; `None`
+    /// until read.
+    last: Option<i64>,
     /// Positions reserved but not yet added to the stored counter: the next
     /// insert adds them in its own statement, saving a round trip.
     unwritten: i64,
@@ -332,6 +354,13 @@ pub(crate) struct PgTx {
     written: HashSet<Uuid>,
     /// Accepted writes not yet sent.
     buffered: Buffered,
+    /// Views read ahead (`None`: the session has none), until this
+    /// transaction writes the session.
+    views: HashMap<Uuid, Option<ViewRow>>,
+    /// Calls index rows asked for ahead (session, call id), until this
+    /// transaction writes the session, and those found.
+    calls_asked: HashSet<(Uuid, String)>,
+    calls_found: HashMap<(Uuid, String), CallRow>,
 }
 
 /// The writes of accepted batches not yet sent, merged so that one
@@ -354,17 +383,69 @@ struct Buffered {
 }
 
 impl PgTx {
-    fn new(tx: Transaction<'static, Postgres>, last: i64) -> PgTx {
+    fn new(tx: Transaction<'static, Postgres>) -> PgTx {
         PgTx {
             tx,
-            last,
+            last: None,
             unwritten: 0,
             heads: HashMap::new(),
             asked: HashSet::new(),
             prefetched: HashMap::new(),
             written: HashSet::new(),
             buffered: Buffered::default(),
+            views: HashMap::new(),
+            calls_asked: HashSet::new(),
+            calls_found: HashMap::new(),
         }
+    }
+
+    /// Keeps the views and calls index rows of `prefetch` (JSON: an array
+    /// of views and an array of calls).
+    fn read_ahead_derived(&mut self, json: &str) -> Result<()> {
+        let corrupt = |e: serde_json::Error| {
+            Error::Corrupt(format!("a read-ahead view or call could not be read: {e}"))
+        };
+        let (views, calls): (Vec<ViewJson>, Vec<CallJson>) =
+            serde_json::from_str(json).map_err(corrupt)?;
+        for (
+            id,
+            refresh_seq,
+            mode,
+            window_start,
+            compaction_seq,
+            summary,
+            catalogs,
+            evidence,
+            active,
+        ) in views
+        {
+            let columns = (
+                refresh_seq,
+                mode,
+                window_start,
+                compaction_seq,
+                summary,
+                catalogs,
+                evidence,
+                active,
+            );
+            self.views
+                .insert(id, Some(ViewRow::from_columns(id, columns)));
+        }
+        for (s, call_id, tool_name, call_seq, result_seq) in calls {
+            self.calls_found.insert(
+                (s, call_id.clone()),
+                (call_id, tool_name, call_seq, result_seq),
+            );
+        }
+        Ok(())
+    }
+
+    /// This transaction writes derived rows of `session_id`: what was read
+    /// ahead about its view and calls is out of date.
+    fn forget(&mut self, session_id: Uuid) {
+        self.views.remove(&session_id);
+        self.calls_asked.retain(|(s, _)| *s != session_id);
     }
 
     /// Sends the buffered writes if a read about `session_id` could see
@@ -497,22 +578,39 @@ impl LogTx for PgTx {
         &mut self,
         sessions: &[Uuid],
         ids: &[Uuid],
-        _calls: &[(Uuid, &str)],
+        calls: &[(Uuid, &str)],
     ) -> Result<()> {
         self.flush().await?;
         // The rows with these ids, then each session's head row (its
-        // payload left out: only its seq and hash are wanted).
+        // payload left out: only its seq and hash are wanted), then one row
+        // of the counter's value (the lock is held) and, as JSON, the
+        // sessions' views and the calls index rows asked for.
+        let call_sessions: Vec<Uuid> = calls.iter().map(|c| c.0).collect();
+        let call_ids: Vec<&str> = calls.iter().map(|c| c.1).collect();
         let rows: Vec<JudgeRow> = sqlx::query_as(
-            "SELECT position, session_id, seq, event_id, payload, recorded_at, hash, false \
+            "SELECT position, session_id, seq, event_id, payload, recorded_at, hash, false, NULL::TEXT \
                  FROM events WHERE event_id = ANY($1) \
                  UNION ALL \
-                 SELECT h.position, h.session_id, h.seq, h.event_id, '', h.recorded_at, h.hash, true \
+                 SELECT h.position, h.session_id, h.seq, h.event_id, '', h.recorded_at, h.hash, true, NULL \
                  FROM UNNEST($2::UUID[]) AS s(id) CROSS JOIN LATERAL \
                  (SELECT position, session_id, seq, event_id, recorded_at, hash FROM events \
-                  WHERE session_id = s.id ORDER BY seq DESC LIMIT 1) AS h",
+                  WHERE session_id = s.id ORDER BY seq DESC LIMIT 1) AS h \
+                 UNION ALL \
+                 SELECT (SELECT last FROM event_position WHERE id = 1), '00000000-0000-0000-0000-000000000000'::UUID, 0, \
+                 '00000000-0000-0000-0000-000000000000'::UUID, '', now(), NULL, false, \
+                 json_build_array( \
+                   (SELECT COALESCE(json_agg(json_build_array(v.session_id, v.refresh_seq, v.mode, \
+                      v.window_start, v.compaction_seq, v.summary, v.catalogs, v.evidence, v.active)), '[]') \
+                    FROM session_views v WHERE v.session_id = ANY($2)), \
+                   (SELECT COALESCE(json_agg(json_build_array(c.session_id, c.call_id, c.tool_name, \
+                      c.call_seq, c.result_seq)), '[]') \
+                    FROM UNNEST($3::UUID[], $4::TEXT[]) AS w(s, id) \
+                    JOIN calls c ON c.session_id = w.s AND c.call_id = w.id))::TEXT",
         )
         .bind(ids)
         .bind(sessions)
+        .bind(call_sessions)
+        .bind(call_ids)
         .fetch_all(&mut *self.tx)
         .await
         .map_err(Error::from_sqlx)?;
@@ -525,8 +623,21 @@ impl LogTx for PgTx {
             self.written.remove(id);
             self.prefetched.remove(id);
         }
-        for (p, s, q, e, payload, t, h, is_head) in rows {
-            if is_head {
+        for s in sessions {
+            self.views.insert(*s, None);
+        }
+        for (s, c) in calls {
+            self.calls_asked.insert((*s, (*c).to_owned()));
+            self.calls_found.remove(&(*s, (*c).to_owned()));
+        }
+        for (p, s, q, e, payload, t, h, is_head, extra) in rows {
+            if let Some(json) = extra {
+                // The counter moves only under the lock, which this
+                // transaction holds: a value already known includes its
+                // own reservations.
+                self.last.get_or_insert(p);
+                self.read_ahead_derived(&json)?;
+            } else if is_head {
                 self.heads.insert(s, (q, h));
             } else {
                 let event = decode((p, s, q, e, payload, t))?;
@@ -539,6 +650,7 @@ impl LogTx for PgTx {
     async fn write_accepted(&mut self, w: Accepted<'_>) -> Result<()> {
         // Buffered until the commit or a read that could see it (see
         // [`PgTx`]); the reserved positions' counter update goes with it.
+        self.forget(w.session_id);
         let b = &mut self.buffered;
         b.sessions.insert(w.session_id);
         b.ids.extend(w.rows.iter().map(|r| r.event_id));
@@ -602,10 +714,20 @@ impl LogTx for PgTx {
         // The counter row is locked and `last` read: the positions are ours.
         // Writing the counter back waits for the insert, which does it in
         // the same statement (or for the commit).
-        let first = self.last + 1;
-        self.last += n;
+        let last = match self.last {
+            Some(last) => last,
+            None => {
+                let (last,): (i64,) =
+                    sqlx::query_as("SELECT last FROM event_position WHERE id = 1")
+                        .fetch_one(&mut *self.tx)
+                        .await
+                        .map_err(Error::from_sqlx)?;
+                last
+            }
+        };
+        self.last = Some(last + n);
         self.unwritten += n;
-        Ok(first)
+        Ok(last + 1)
     }
 
     async fn insert(&mut self, rows: &[PendingRow]) -> Result<()> {
@@ -649,6 +771,9 @@ impl LogTx for PgTx {
         if let Some(view) = self.buffered.views.get(&session_id) {
             return Ok(Some(view.clone()));
         }
+        if let Some(view) = self.views.get(&session_id) {
+            return Ok(view.clone());
+        }
         let row: Option<ViewColumns> = sqlx::query_as(
             "SELECT refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active \
              FROM session_views WHERE session_id = $1",
@@ -661,6 +786,7 @@ impl LogTx for PgTx {
     }
 
     async fn write_view(&mut self, v: &ViewRow) -> Result<()> {
+        self.forget(v.session_id);
         self.flush().await?;
         sqlx::query(
             "INSERT INTO session_views \
@@ -687,6 +813,13 @@ impl LogTx for PgTx {
     }
 
     async fn calls(&mut self, session_id: Uuid, call_ids: &[String]) -> Result<Vec<CallRow>> {
+        let asked = |c: &String| self.calls_asked.contains(&(session_id, c.clone()));
+        if call_ids.iter().all(asked) {
+            return Ok(call_ids
+                .iter()
+                .filter_map(|c| self.calls_found.get(&(session_id, c.clone())).cloned())
+                .collect());
+        }
         self.flush_for(session_id).await?;
         sqlx::query_as(
             "SELECT call_id, tool_name, call_seq, result_seq FROM calls \
@@ -700,6 +833,7 @@ impl LogTx for PgTx {
     }
 
     async fn record_calls(&mut self, session_id: Uuid, rows: &[CallRow]) -> Result<()> {
+        self.forget(session_id);
         self.flush().await?;
         if rows.is_empty() {
             return Ok(());
@@ -738,6 +872,7 @@ impl LogTx for PgTx {
     }
 
     async fn clear_derived(&mut self, session_id: Uuid) -> Result<()> {
+        self.forget(session_id);
         self.flush().await?;
         for sql in [
             "DELETE FROM session_views WHERE session_id = $1",
