@@ -13,8 +13,9 @@
 //! - **Ceiling**: the same events, serialized to the same JSON, inserted into
 //!   a bare table with the columns and unique keys of `events` and nothing
 //!   else: one multi-row `INSERT` per batch, on its own (a statement is a
-//!   transaction), with the same driver (sqlx), the same connection settings
-//!   and pool size as the store's backend, and so the same durability
+//!   transaction), with the same driver (sqlx), the same connection and
+//!   pool settings (`pool_options`: size, when connections are pinged) as
+//!   the store's backend, and so the same durability
 //!   (SQLite WAL with `synchronous=FULL`; PostgreSQL with `fsync` and
 //!   `synchronous_commit` on). One setting differs on PostgreSQL: the
 //!   ceiling keeps the default plan caching, because forced custom plans

@@ -458,8 +458,8 @@ impl PgTx {
     }
 
     /// Sends every buffered write (and the reserved positions' counter
-    /// update) in one statement of data-modifying CTEs, each of which runs
-    /// once, to completion; the wake-ups are the main query.
+    /// update) in one call of `session_store_write` (migration 0006): one
+    /// round trip, and statements that are not re-planned on every call.
     async fn flush(&mut self) -> Result<()> {
         if self.buffered.sessions.is_empty() {
             return Ok(());
@@ -469,57 +469,105 @@ impl PgTx {
         let views: Vec<&ViewRow> = b.views.values().collect();
         let changes = &b.changes;
         sqlx::query(
-            "WITH counter AS (UPDATE event_position SET last = last + $9 WHERE id = 1 AND $9 > 0), \
-             ev AS (INSERT INTO events (position, session_id, seq, event_id, type, payload, recorded_at, hash) \
-               SELECT * FROM UNNEST($1::BIGINT[], $2::UUID[], $3::BIGINT[], $4::UUID[], $5::TEXT[], $6::TEXT[], $7::TIMESTAMPTZ[], $8::TEXT[])), \
-             calls_w AS (INSERT INTO calls (session_id, call_id, tool_name, call_seq, result_seq) \
-               SELECT * FROM UNNEST($10::UUID[], $11::TEXT[], $12::TEXT[], $13::BIGINT[], $14::BIGINT[]) \
-               ON CONFLICT (session_id, call_id) DO UPDATE SET result_seq = EXCLUDED.result_seq), \
-             view_w AS (INSERT INTO session_views \
-               (session_id, refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active) \
-               SELECT * FROM UNNEST($15::UUID[], $16::BIGINT[], $17::TEXT[], $18::BIGINT[], $19::BIGINT[], $20::TEXT[], $21::TEXT[], $22::TEXT[], $23::TEXT[]) \
-               ON CONFLICT (session_id) DO UPDATE SET refresh_seq = EXCLUDED.refresh_seq, \
-               mode = EXCLUDED.mode, window_start = EXCLUDED.window_start, \
-               compaction_seq = EXCLUDED.compaction_seq, summary = EXCLUDED.summary, \
-               catalogs = EXCLUDED.catalogs, evidence = EXCLUDED.evidence, active = EXCLUDED.active), \
-             owner_w AS (INSERT INTO session_owners (session_id, tenant) \
-               SELECT * FROM UNNEST($24::UUID[], $25::TEXT[])), \
-             changes_w AS (INSERT INTO activation_changes (position, tool, session_id, seq, recorded_at, change, evidence_seq) \
-               SELECT * FROM UNNEST($26::BIGINT[], $27::TEXT[], $28::UUID[], $29::BIGINT[], $30::TIMESTAMPTZ[], $31::TEXT[], $32::BIGINT[])) \
-             SELECT pg_notify($33, w) FROM UNNEST($34::TEXT[]) AS w",
+            "SELECT session_store_write($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, \
+             $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, \
+             $31, $32, $33, $34)",
         )
+        .bind(self.unwritten)
         .bind(rows.iter().map(|r| r.position).collect::<Vec<i64>>())
         .bind(rows.iter().map(|r| r.session_id).collect::<Vec<Uuid>>())
         .bind(rows.iter().map(|r| r.seq).collect::<Vec<i64>>())
         .bind(rows.iter().map(|r| r.event_id).collect::<Vec<Uuid>>())
         .bind(rows.iter().map(|r| r.type_name).collect::<Vec<&str>>())
-        .bind(rows.iter().map(|r| r.payload.as_str()).collect::<Vec<&str>>())
-        .bind(rows.iter().map(|r| r.recorded_at).collect::<Vec<DateTime<Utc>>>())
+        .bind(
+            rows.iter()
+                .map(|r| r.payload.as_str())
+                .collect::<Vec<&str>>(),
+        )
+        .bind(
+            rows.iter()
+                .map(|r| r.recorded_at)
+                .collect::<Vec<DateTime<Utc>>>(),
+        )
         .bind(rows.iter().map(|r| r.hash.as_str()).collect::<Vec<&str>>())
-        .bind(self.unwritten)
         .bind(b.calls.iter().map(|c| c.0).collect::<Vec<Uuid>>())
-        .bind(b.calls.iter().map(|c| c.1 .0.as_str()).collect::<Vec<&str>>())
-        .bind(b.calls.iter().map(|c| c.1 .1.as_str()).collect::<Vec<&str>>())
+        .bind(
+            b.calls
+                .iter()
+                .map(|c| c.1 .0.as_str())
+                .collect::<Vec<&str>>(),
+        )
+        .bind(
+            b.calls
+                .iter()
+                .map(|c| c.1 .1.as_str())
+                .collect::<Vec<&str>>(),
+        )
         .bind(b.calls.iter().map(|c| c.1 .2).collect::<Vec<i64>>())
         .bind(b.calls.iter().map(|c| c.1 .3).collect::<Vec<Option<i64>>>())
         .bind(views.iter().map(|v| v.session_id).collect::<Vec<Uuid>>())
         .bind(views.iter().map(|v| v.refresh_seq).collect::<Vec<i64>>())
         .bind(views.iter().map(|v| v.mode.as_str()).collect::<Vec<&str>>())
         .bind(views.iter().map(|v| v.window_start).collect::<Vec<i64>>())
-        .bind(views.iter().map(|v| v.compaction_seq).collect::<Vec<Option<i64>>>())
-        .bind(views.iter().map(|v| v.summary.as_deref()).collect::<Vec<Option<&str>>>())
-        .bind(views.iter().map(|v| v.catalogs.as_str()).collect::<Vec<&str>>())
-        .bind(views.iter().map(|v| v.evidence.as_str()).collect::<Vec<&str>>())
-        .bind(views.iter().map(|v| v.active.as_str()).collect::<Vec<&str>>())
+        .bind(
+            views
+                .iter()
+                .map(|v| v.compaction_seq)
+                .collect::<Vec<Option<i64>>>(),
+        )
+        .bind(
+            views
+                .iter()
+                .map(|v| v.summary.as_deref())
+                .collect::<Vec<Option<&str>>>(),
+        )
+        .bind(
+            views
+                .iter()
+                .map(|v| v.catalogs.as_str())
+                .collect::<Vec<&str>>(),
+        )
+        .bind(
+            views
+                .iter()
+                .map(|v| v.evidence.as_str())
+                .collect::<Vec<&str>>(),
+        )
+        .bind(
+            views
+                .iter()
+                .map(|v| v.active.as_str())
+                .collect::<Vec<&str>>(),
+        )
         .bind(b.owners.iter().map(|o| o.0).collect::<Vec<Uuid>>())
         .bind(b.owners.iter().map(|o| o.1.as_str()).collect::<Vec<&str>>())
         .bind(changes.iter().map(|c| c.position).collect::<Vec<i64>>())
-        .bind(changes.iter().map(|c| c.tool.as_str()).collect::<Vec<&str>>())
+        .bind(
+            changes
+                .iter()
+                .map(|c| c.tool.as_str())
+                .collect::<Vec<&str>>(),
+        )
         .bind(changes.iter().map(|c| c.session_id).collect::<Vec<Uuid>>())
         .bind(changes.iter().map(|c| c.seq).collect::<Vec<i64>>())
-        .bind(changes.iter().map(|c| c.recorded_at).collect::<Vec<DateTime<Utc>>>())
-        .bind(changes.iter().map(|c| c.change.as_str()).collect::<Vec<&str>>())
-        .bind(changes.iter().map(|c| c.evidence_seq).collect::<Vec<Option<i64>>>())
+        .bind(
+            changes
+                .iter()
+                .map(|c| c.recorded_at)
+                .collect::<Vec<DateTime<Utc>>>(),
+        )
+        .bind(
+            changes
+                .iter()
+                .map(|c| c.change.as_str())
+                .collect::<Vec<&str>>(),
+        )
+        .bind(
+            changes
+                .iter()
+                .map(|c| c.evidence_seq)
+                .collect::<Vec<Option<i64>>>(),
+        )
         .bind(NOTIFY_CHANNEL)
         .bind(&b.wakeups)
         .execute(&mut *self.tx)

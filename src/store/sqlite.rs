@@ -171,21 +171,13 @@ impl SqliteBackend {
             .begin_with("BEGIN IMMEDIATE")
             .await
             .map_err(Error::from_sqlx)?;
-        Ok(SqliteTx {
-            tx,
-            last_position: None,
-            memo: Memo::default(),
-        })
+        Ok(SqliteTx::new(tx))
     }
 
     /// A read transaction: one snapshot for the view, window and tail.
     pub(crate) async fn begin_read(&self) -> Result<SqliteTx> {
         let tx = self.pool.begin().await.map_err(Error::from_sqlx)?;
-        Ok(SqliteTx {
-            tx,
-            last_position: None,
-            memo: Memo::default(),
-        })
+        Ok(SqliteTx::new(tx))
     }
 
     pub(crate) async fn head_seq(&self, session_id: Uuid) -> Result<i64> {
@@ -369,6 +361,14 @@ UNION ALL SELECT 3, c.session_id, c.call_id, c.tool_name, c.call_seq, c.result_s
 UNION ALL SELECT 4, NULL, (SELECT COALESCE(MAX(position), 0) FROM events), NULL, NULL, NULL, NULL, NULL, NULL, NULL";
 
 impl SqliteTx {
+    fn new(tx: Transaction<'static, Sqlite>) -> SqliteTx {
+        SqliteTx {
+            tx,
+            last_position: None,
+            memo: Memo::default(),
+        }
+    }
+
     /// This transaction wrote to `session_id`: the memo no longer knows it.
     fn wrote(&mut self, session_id: Uuid) {
         self.memo.sessions.remove(&session_id);
