@@ -393,6 +393,21 @@ pub(crate) fn change_rows(
 /// One row of the calls index: call id, tool name, call seq, result seq.
 pub(crate) type CallRow = (String, String, i64, Option<i64>);
 
+/// Applies a written calls index row to rows read ahead, as the store's
+/// upsert does in the database: a known call gets only its result seq.
+pub(crate) fn upsert_call<K: Eq + std::hash::Hash>(
+    rows: &mut HashMap<K, CallRow>,
+    key: K,
+    call: &CallRow,
+) {
+    match rows.get_mut(&key) {
+        Some(known) => known.3 = call.3,
+        None => {
+            rows.insert(key, call.clone());
+        }
+    }
+}
+
 /// A materialized view as stored: the scalar columns plus JSON text for the
 /// catalogs, the window's evidence and the activation set.
 #[derive(Clone, Debug, PartialEq)]

@@ -20,7 +20,10 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Connection, Postgres, Transaction};
 use uuid::Uuid;
 
-use super::{Accepted, CallRow, ChangeRow, LogTx, PendingRow, StoreOptions, ViewColumns, ViewRow};
+use super::{
+    upsert_call, Accepted, CallRow, ChangeRow, LogTx, PendingRow, StoreOptions, ViewColumns,
+    ViewRow,
+};
 use crate::error::{Error, Result};
 use crate::event::{EventBody, StoredEvent};
 
@@ -698,7 +701,16 @@ impl LogTx for PgTx {
     async fn write_accepted(&mut self, w: Accepted<'_>) -> Result<()> {
         // Buffered until the commit or a read that could see it (see
         // [`PgTx`]); the reserved positions' counter update goes with it.
-        self.forget(w.session_id);
+        // What was read ahead about the session's view and calls becomes
+        // what the database will hold once the buffer is sent.
+        if let Some(view) = w.view {
+            self.views.insert(w.session_id, Some(view.clone()));
+        }
+        for call in w.calls {
+            let key = (w.session_id, call.0.clone());
+            self.calls_asked.insert(key.clone());
+            upsert_call(&mut self.calls_found, key, call);
+        }
         let b = &mut self.buffered;
         b.sessions.insert(w.session_id);
         b.ids.extend(w.rows.iter().map(|r| r.event_id));

@@ -18,7 +18,10 @@ use sqlx::sqlite::{
 use sqlx::{QueryBuilder, Row as _, Sqlite, Transaction};
 use uuid::Uuid;
 
-use super::{Accepted, CallRow, ChangeRow, LogTx, PendingRow, StoreOptions, ViewColumns, ViewRow};
+use super::{
+    upsert_call, Accepted, CallRow, ChangeRow, LogTx, PendingRow, StoreOptions, ViewColumns,
+    ViewRow,
+};
 use crate::error::{Error, Result};
 use crate::event::{EventBody, StoredEvent};
 
@@ -314,9 +317,10 @@ pub(crate) struct SqliteTx {
 
 /// What `prefetch` read ahead for a group commit, served to the group's
 /// judgements instead of a statement each (each statement is a hop to the
-/// driver's worker thread). A session's part is dropped when this
-/// transaction writes to the session; an event id this transaction wrote is
-/// never answered from it.
+/// driver's worker thread). An accepted batch's writes are applied to its
+/// session's part (head, view, calls), so that the next append of the group
+/// to the same session is served too; any other write to a session drops
+/// its part. An event id this transaction wrote is never answered from it.
 #[derive(Default)]
 struct Memo {
     /// Per session: its head seq and hash, its view, and the calls index
@@ -334,10 +338,10 @@ struct SessionMemo {
     head: i64,
     hash: Option<String>,
     view: Option<ViewRow>,
-    /// The call ids asked for.
+    /// The call ids asked for (or written here).
     asked_calls: HashSet<String>,
-    /// The calls index rows found among them.
-    calls: Vec<CallRow>,
+    /// The calls index rows among them, by call id.
+    calls: HashMap<String, CallRow>,
 }
 
 /// The prefetch, one statement of rows of five kinds, told apart by the
@@ -372,6 +376,27 @@ impl SqliteTx {
     /// This transaction wrote to `session_id`: the memo no longer knows it.
     fn wrote(&mut self, session_id: Uuid) {
         self.memo.sessions.remove(&session_id);
+    }
+
+    /// This transaction wrote an accepted batch: its session's part of the
+    /// memo becomes what the database now holds.
+    fn accepted(&mut self, w: &Accepted<'_>) {
+        if let Some(m) = self.memo.sessions.get_mut(&w.session_id) {
+            if let Some(last) = w.rows.last() {
+                (m.head, m.hash) = (last.seq, Some(last.hash.clone()));
+            }
+            if let Some(view) = w.view {
+                m.view = Some(view.clone());
+            }
+            for call in w.calls {
+                m.asked_calls.insert(call.0.clone());
+                upsert_call(&mut m.calls, call.0.clone(), call);
+            }
+        }
+        self.memo.written.extend(w.rows.iter().map(|r| r.event_id));
+        if let Some(last) = w.rows.last() {
+            self.last_position = Some(self.last_position.unwrap_or(0).max(last.position));
+        }
     }
 
     /// This transaction inserted `rows` (in position order).
@@ -438,7 +463,7 @@ impl LogTx for SqliteTx {
             ..Memo::default()
         };
         let mut views = HashMap::new();
-        let mut found_calls: HashMap<Uuid, Vec<CallRow>> = HashMap::new();
+        let mut found_calls: HashMap<Uuid, HashMap<String, CallRow>> = HashMap::new();
         for row in rows {
             let kind: i64 = row.try_get(0).map_err(corrupt_prefetch)?;
             let session = |row: &sqlx::sqlite::SqliteRow| -> Result<Uuid> {
@@ -456,7 +481,7 @@ impl LogTx for SqliteTx {
                             hash,
                             view: None,
                             asked_calls: HashSet::new(),
-                            calls: Vec::new(),
+                            calls: HashMap::new(),
                         },
                     );
                 }
@@ -492,7 +517,10 @@ impl LogTx for SqliteTx {
                         row.try_get(4).map_err(corrupt_prefetch)?,
                         row.try_get(5).map_err(corrupt_prefetch)?,
                     );
-                    found_calls.entry(session(&row)?).or_default().push(call);
+                    found_calls
+                        .entry(session(&row)?)
+                        .or_default()
+                        .insert(call.0.clone(), call);
                 }
                 _ => self.last_position = Some(row.try_get(2).map_err(corrupt_prefetch)?),
             }
@@ -652,8 +680,7 @@ impl LogTx for SqliteTx {
             .execute(&mut *self.tx)
             .await
             .map_err(Error::from_sqlx)?;
-        self.wrote(w.session_id);
-        self.inserted(w.rows);
+        self.accepted(&w);
         // SQLite has no notifications; subscribers poll.
         Ok(())
     }
@@ -775,11 +802,9 @@ impl LogTx for SqliteTx {
     async fn calls(&mut self, session_id: Uuid, call_ids: &[String]) -> Result<Vec<CallRow>> {
         if let Some(m) = self.memo.sessions.get(&session_id) {
             if call_ids.iter().all(|c| m.asked_calls.contains(c)) {
-                return Ok(m
-                    .calls
+                return Ok(call_ids
                     .iter()
-                    .filter(|row| call_ids.contains(&row.0))
-                    .cloned()
+                    .filter_map(|c| m.calls.get(c).cloned())
                     .collect());
             }
         }
