@@ -52,19 +52,6 @@ type JudgeRow = (
 /// A calls index row as `prefetch` returns it (JSON array).
 type CallJson = (Uuid, String, String, i64, Option<i64>);
 
-/// A view as `prefetch` returns it (JSON array).
-type ViewJson = (
-    Uuid,
-    i64,
-    String,
-    i64,
-    Option<i64>,
-    Option<String>,
-    String,
-    String,
-    String,
-);
-
 const COLUMNS: &str = "position, session_id, seq, event_id, payload, recorded_at";
 
 /// Server-side limits set on every connection (see the module docs).
@@ -408,30 +395,9 @@ impl PgTx {
         let corrupt = |e: serde_json::Error| {
             Error::Corrupt(format!("a read-ahead view or call could not be read: {e}"))
         };
-        let (views, calls): (Vec<ViewJson>, Vec<CallJson>) =
+        let (views, calls): (Vec<(Uuid, ViewColumns)>, Vec<CallJson>) =
             serde_json::from_str(json).map_err(corrupt)?;
-        for (
-            id,
-            refresh_seq,
-            mode,
-            window_start,
-            compaction_seq,
-            summary,
-            catalogs,
-            evidence,
-            active,
-        ) in views
-        {
-            let columns = (
-                refresh_seq,
-                mode,
-                window_start,
-                compaction_seq,
-                summary,
-                catalogs,
-                evidence,
-                active,
-            );
+        for (id, columns) in views {
             self.views
                 .insert(id, Some(ViewRow::from_columns(id, columns)));
         }
@@ -650,8 +616,9 @@ impl LogTx for PgTx {
                  SELECT (SELECT last FROM event_position WHERE id = 1), '00000000-0000-0000-0000-000000000000'::UUID, 0, \
                  '00000000-0000-0000-0000-000000000000'::UUID, '', now(), NULL, false, \
                  json_build_array( \
-                   (SELECT COALESCE(json_agg(json_build_array(v.session_id, v.refresh_seq, v.mode, \
-                      v.window_start, v.compaction_seq, v.summary, v.catalogs, v.evidence, v.active)), '[]') \
+                   (SELECT COALESCE(json_agg(json_build_array(v.session_id, json_build_array(v.refresh_seq, \
+                      v.mode, v.window_start, v.compaction_seq, v.summary, v.catalogs, v.evidence, \
+                      v.active))), '[]') \
                     FROM session_views v WHERE v.session_id = ANY($2)), \
                    (SELECT COALESCE(json_agg(json_build_array(c.session_id, c.call_id, c.tool_name, \
                       c.call_seq, c.result_seq)), '[]') \
