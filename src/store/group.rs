@@ -110,8 +110,10 @@ async fn run<T: LogTx>(
             return;
         }
     };
-    // One read for the judgements of the whole group (a backend with round
-    // trips to save serves each append's `judge_reads` from it).
+    // One read for the judgements of the whole group: heads, stored ids,
+    // views and calls index rows, served to each append's reads (both
+    // backends' transactions keep what they read ahead current through the
+    // group's own writes).
     let mut sessions: Vec<Uuid> = Vec::new();
     let mut ids: Vec<Uuid> = Vec::new();
     let mut calls: Vec<(Uuid, &str)> = Vec::new();
