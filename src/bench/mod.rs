@@ -19,8 +19,9 @@
 //! and prints one JSON line, its result and its own `VmHWM` read from
 //! `/proc/self/status` just before it exits. The parent owns the databases
 //! (temp SQLite files, a throw-away PostgreSQL server with `fsync` on),
-//! runs `sync` before each phase so that no phase pays for the previous
-//! one's writeback, and writes the report ([`report`]) and the plot
+//! runs `sync` (and on PostgreSQL a `CHECKPOINT`) before each phase so
+//! that no phase pays for the previous one's writeback, and writes the
+//! report ([`report`]) and the plot
 //! ([`plot`]).
 
 pub mod append;
