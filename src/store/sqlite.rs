@@ -393,18 +393,22 @@ impl SqliteTx {
                 upsert_call(&mut m.calls, call.0.clone(), call);
             }
         }
-        self.memo.written.extend(w.rows.iter().map(|r| r.event_id));
-        if let Some(last) = w.rows.last() {
-            self.last_position = Some(self.last_position.unwrap_or(0).max(last.position));
-        }
+        self.took(w.rows);
     }
 
-    /// This transaction inserted `rows` (in position order).
+    /// This transaction inserted `rows` outside an accepted batch: their
+    /// sessions' parts of the memo are dropped.
     fn inserted(&mut self, rows: &[PendingRow]) {
         for r in rows {
             self.memo.sessions.remove(&r.session_id);
-            self.memo.written.insert(r.event_id);
         }
+        self.took(rows);
+    }
+
+    /// What any insert of `rows` (in position order) tells the memo: their
+    /// ids are written here, and the largest position moved on.
+    fn took(&mut self, rows: &[PendingRow]) {
+        self.memo.written.extend(rows.iter().map(|r| r.event_id));
         if let Some(last) = rows.last() {
             self.last_position = Some(self.last_position.unwrap_or(0).max(last.position));
         }
