@@ -318,3 +318,58 @@ both_backends!(
         b.close().await;
     }
 );
+
+// An append whose caller gives up while its transaction is open (here,
+// held open before its commit) is rolled back, and the write lock is free
+// again at once: another instance appends where the abandoned append would
+// have, and the first instance appends after it. A backend that sends its
+// transaction's first statement or its writes late (SQLite's writer) must
+// still undo them.
+both_backends!(
+    an_append_abandoned_before_its_commit_leaves_nothing_and_frees_the_writer,
+    |url: String| async move {
+        let options = StoreOptions {
+            fault_pause_before_commit: Some(Duration::from_millis(800)),
+            ..StoreOptions::default()
+        };
+        let slow = Store::open_with(&url, options).await.unwrap();
+        let other = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        let given_up = tokio::time::timeout(
+            Duration::from_millis(200),
+            slow.append(s, 0, vec![started()]),
+        )
+        .await;
+        assert!(given_up.is_err(), "the append should still be waiting");
+
+        // Well inside SQLite's 10 s busy timeout: the lock was released.
+        let started_at = std::time::Instant::now();
+        let o = tokio::time::timeout(
+            Duration::from_secs(5),
+            other.append(s, 0, vec![started(), prompt("from the other one")]),
+        )
+        .await
+        .expect("the other instance waited for a lock nobody holds")
+        .unwrap();
+        assert_eq!(o.events.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2]);
+        assert!(started_at.elapsed() < Duration::from_secs(2));
+
+        let o = slow.append(s, 2, vec![prompt("mine")]).await.unwrap();
+        assert_eq!(o.events[0].seq, 3);
+        assert_eq!(slow.head_seq(s).await.unwrap(), 3);
+        assert_eq!(other.verify(s).await.unwrap(), None);
+        let texts: Vec<String> = other
+            .history(s, 0, 10)
+            .await
+            .unwrap()
+            .into_iter()
+            .filter_map(|e| match e.body {
+                EventBody::PromptSubmitted { text } => Some(text),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(texts, ["from the other one", "mine"]);
+        slow.close().await;
+        other.close().await;
+    }
+);

@@ -743,13 +743,26 @@ impl Store {
             .lock()
             .map(|mut q| std::mem::take(&mut *q))
             .unwrap_or_default();
-        tokio::spawn(group::commit_group(
+        // Every earlier group has answered (it held the slot until then),
+        // so this append is either answered or in the batch: a batch of one
+        // is this append.
+        let alone = batch.len() == 1;
+        let commit = group::commit_group(
             self.backend.clone(),
             self.options.clone(),
             self.states.clone(),
             batch,
             slot,
-        ));
+        );
+        if alone {
+            // A group of this append alone: committed in this task, which
+            // saves a task switch and a wake-up on each side; if the caller
+            // gives up, only its own append is abandoned (rolled back, or
+            // committed without an answer, as any cancelled call).
+            commit.await;
+        } else {
+            tokio::spawn(commit);
+        }
         answer.await.unwrap_or_else(|_| Err(lost()))
     }
 

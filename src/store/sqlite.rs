@@ -9,13 +9,16 @@
 
 use std::collections::{HashMap, HashSet};
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
-use sqlx::{QueryBuilder, Row as _, Sqlite, Transaction};
+use sqlx::{
+    Connection as _, Executor as _, QueryBuilder, Row as _, Sqlite, SqliteConnection, Transaction,
+};
 use uuid::Uuid;
 
 use super::{
@@ -50,9 +53,70 @@ type JudgeRow = (
 
 const COLUMNS: &str = "position, session_id, seq, event_id, payload, recorded_at";
 
+/// A read pool and one writer connection on one file.
+///
+/// SQLite admits one writer at a time, so this process writes through one
+/// connection, held here rather than in a pool, for three measured reasons
+/// (docs/benchmarks.md, "What changed"):
+///
+/// - each SQLite connection has its own page cache, dropped at the start of
+///   a transaction when another connection wrote since; sqlx hands pooled
+///   connections out in turn, so appends alternated between connections
+///   and each started with a cold cache;
+/// - a pooled connection is returned through a spawned task that pings it
+///   first, so the next append waited for a ping and a task switch;
+/// - a transaction of our own can send its `BEGIN IMMEDIATE` with its first
+///   read and its writes with its `COMMIT` ([`SqliteTx`]): two hops to the
+///   driver's worker thread per append instead of four.
+///
+/// In-process writers queue on the writer's mutex (the group commit makes
+/// that rare) instead of in SQLite's busy handler, which sleeps.
 #[derive(Clone)]
 pub(crate) struct SqliteBackend {
+    /// Reads: the view, pages of events, audit queries; and migrations.
     pool: SqlitePool,
+    /// Writes: one connection and whether a transaction is open on it.
+    writer: Arc<tokio::sync::Mutex<Writer>>,
+    /// How to (re)open the writer connection.
+    connect: Arc<SqliteConnectOptions>,
+    path: Arc<str>,
+}
+
+/// The writer connection. `in_tx`: a `BEGIN` was sent (or is being sent)
+/// and neither its `COMMIT` nor a `ROLLBACK` has completed; whoever holds
+/// the writer next rolls such a transaction back first.
+pub(crate) struct Writer {
+    conn: Option<SqliteConnection>,
+    in_tx: bool,
+    closed: bool,
+}
+
+impl Writer {
+    fn conn(&mut self) -> Result<&mut SqliteConnection> {
+        self.conn
+            .as_mut()
+            .ok_or_else(|| Error::Unavailable("the SQLite writer connection is closed".to_owned()))
+    }
+
+    /// Ends an open transaction without its writes. A connection whose
+    /// rollback fails for another reason than "no transaction is active"
+    /// (the `COMMIT` went through, or the transaction was already undone)
+    /// is dropped and reopened by the next writer, so that no half-known
+    /// state is ever written on.
+    async fn rollback(&mut self) {
+        if !self.in_tx {
+            return;
+        }
+        if let Some(conn) = self.conn.as_mut() {
+            if let Err(e) = conn.execute("ROLLBACK").await {
+                if !e.to_string().contains("no transaction is active") {
+                    tracing::warn!(cause = %e, "rolling back on the SQLite writer failed; reopening it");
+                    self.conn = None;
+                }
+            }
+        }
+        self.in_tx = false;
+    }
 }
 
 fn decode(row: Row) -> Result<StoredEvent> {
@@ -76,7 +140,7 @@ fn path_of(url: &str) -> &str {
         .unwrap_or(url)
 }
 
-/// Connections in the pool: readers run beside the one writer (WAL).
+/// Connections in the read pool: readers run beside the one writer (WAL).
 pub(crate) const MAX_CONNECTIONS: u32 = 4;
 
 /// The pool settings, shared by the store and the bench's raw-insert
@@ -111,6 +175,33 @@ pub(crate) fn connect_options(url: &str) -> Result<SqliteConnectOptions> {
         .foreign_keys(true))
 }
 
+/// Runs `open` (a pool or a connection), retrying for a few seconds while
+/// the file is busy: turning a new file into WAL mode needs an exclusive
+/// lock, and SQLite answers BUSY at once (without the busy handler) while
+/// another process holds the file.
+async fn open_busy<T, F, Fut>(path: &str, mut open: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = std::result::Result<T, sqlx::Error>>,
+{
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        match open().await {
+            Ok(opened) => return Ok(opened),
+            Err(e) if attempt < 50 && e.to_string().contains("database is locked") => {
+                tracing::debug!(attempt, "SQLite file busy while opening; retrying");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => {
+                return Err(Error::Unavailable(format!(
+                    "cannot open SQLite database {path:?}: {e}"
+                )))
+            }
+        }
+    }
+}
+
 impl SqliteBackend {
     pub(crate) async fn connect(url: &str, options: &StoreOptions) -> Result<SqliteBackend> {
         let path = path_of(url);
@@ -118,31 +209,24 @@ impl SqliteBackend {
             return Err(Error::BadUrl(url.to_owned()));
         }
         let connect = connect_options(url)?;
-        // Turning a new file into WAL mode needs an exclusive lock, and SQLite
-        // answers BUSY at once (without the busy handler) while another
-        // process holds the file; so opening retries for a few seconds.
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            let result = pool_options()
-                .acquire_timeout(Duration::from_secs(
-                    options.connect_timeout_secs.max(1) + 10,
-                ))
+        let timeout = Duration::from_secs(options.connect_timeout_secs.max(1) + 10);
+        let writer = open_busy(path, || SqliteConnection::connect_with(&connect)).await?;
+        let pool = open_busy(path, || {
+            pool_options()
+                .acquire_timeout(timeout)
                 .connect_with(connect.clone())
-                .await;
-            match result {
-                Ok(pool) => return Ok(SqliteBackend { pool }),
-                Err(e) if attempt < 50 && e.to_string().contains("database is locked") => {
-                    tracing::debug!(attempt, "SQLite file busy while opening; retrying");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                Err(e) => {
-                    return Err(Error::Unavailable(format!(
-                        "cannot open SQLite database {path:?}: {e}"
-                    )))
-                }
-            }
-        }
+        })
+        .await?;
+        Ok(SqliteBackend {
+            pool,
+            writer: Arc::new(tokio::sync::Mutex::new(Writer {
+                conn: Some(writer),
+                in_tx: false,
+                closed: false,
+            })),
+            connect: Arc::new(connect),
+            path: path.into(),
+        })
     }
 
     /// Runs the migrations. sqlx takes no lock for SQLite migrations, so two
@@ -168,19 +252,27 @@ impl SqliteBackend {
         }
     }
 
+    /// The writer, for one write transaction; its `BEGIN IMMEDIATE` goes
+    /// with the transaction's first statement.
     pub(crate) async fn begin_write(&self) -> Result<SqliteTx> {
-        let tx = self
-            .pool
-            .begin_with("BEGIN IMMEDIATE")
-            .await
-            .map_err(Error::from_sqlx)?;
-        Ok(SqliteTx::new(tx))
+        let mut w = self.writer.clone().lock_owned().await;
+        if w.closed {
+            return Err(Error::Unavailable("the store is closed".to_owned()));
+        }
+        // Left open by a transaction dropped where no task could roll it
+        // back (outside a runtime).
+        w.rollback().await;
+        if w.conn.is_none() {
+            let connect = &*self.connect;
+            w.conn = Some(open_busy(&self.path, || SqliteConnection::connect_with(connect)).await?);
+        }
+        Ok(SqliteTx::new(TxConn::Write(w)))
     }
 
     /// A read transaction: one snapshot for the view, window and tail.
     pub(crate) async fn begin_read(&self) -> Result<SqliteTx> {
         let tx = self.pool.begin().await.map_err(Error::from_sqlx)?;
-        Ok(SqliteTx::new(tx))
+        Ok(SqliteTx::new(TxConn::Read(tx)))
     }
 
     pub(crate) async fn head_seq(&self, session_id: Uuid) -> Result<i64> {
@@ -288,6 +380,15 @@ impl SqliteBackend {
     }
 
     pub(crate) async fn close(&self) {
+        let mut w = self.writer.lock().await;
+        w.rollback().await;
+        w.closed = true;
+        if let Some(conn) = w.conn.take() {
+            if let Err(e) = conn.close().await {
+                tracing::debug!(cause = %e, "closing the SQLite writer connection failed");
+            }
+        }
+        drop(w);
         self.pool.close().await;
     }
 }
@@ -305,14 +406,45 @@ async fn head_seq<'e, E: sqlx::SqliteExecutor<'e>>(ex: E, session_id: Uuid) -> R
 /// A transaction (a write transaction holds SQLite's write lock) and what
 /// it knows without asking: under the write lock nothing changes but what
 /// this transaction writes.
+///
+/// A write transaction is ours, not sqlx's, to save hops to the driver's
+/// worker thread: its `BEGIN IMMEDIATE` is sent with its first statement
+/// (the group's read-ahead, in one query of two statements), and the
+/// writes of accepted batches wait in `pending` until the next statement or
+/// the `COMMIT`, which they go with. Every statement goes through
+/// [`SqliteTx::conn`], which sends what waits first, so a read always sees
+/// this transaction's writes. Dropped without a commit, it rolls back (in
+/// a task of its own, holding the writer until done).
 pub(crate) struct SqliteTx {
-    tx: Transaction<'static, Sqlite>,
+    conn: TxConn,
+    /// Writes not sent yet (statements and their arguments).
+    pending: Option<QueryBuilder<'static, Sqlite>>,
     /// The largest position, once read ([`LogTx::head`], `prefetch`) and
     /// kept current by this transaction's inserts, so reserving positions
     /// needs no statement of its own.
     last_position: Option<i64>,
     /// What `prefetch` read for a group.
     memo: Memo,
+}
+
+enum TxConn {
+    Read(Transaction<'static, Sqlite>),
+    Write(tokio::sync::OwnedMutexGuard<Writer>),
+    /// Committed (or being committed).
+    Done,
+}
+
+impl Drop for SqliteTx {
+    fn drop(&mut self) {
+        if let TxConn::Write(mut w) = std::mem::replace(&mut self.conn, TxConn::Done) {
+            if w.in_tx {
+                // Without a runtime, the next `begin_write` rolls back.
+                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                    runtime.spawn(async move { w.rollback().await });
+                }
+            }
+        }
+    }
 }
 
 /// What `prefetch` read ahead for a group commit, served to the group's
@@ -349,7 +481,9 @@ struct SessionMemo {
 /// and hash, 1 a stored event with one of the ids, 2 a session's view,
 /// 3 a calls index row, 4 the largest position. The lists come as JSON
 /// arrays, so the statement's text never changes and stays prepared.
-const PREFETCH: &str = "\
+macro_rules! prefetch_sql {
+    () => {
+        "\
 SELECT 0, s.value, \
     (SELECT seq FROM events WHERE session_id = s.value ORDER BY seq DESC LIMIT 1), \
     (SELECT hash FROM events WHERE session_id = s.value ORDER BY seq DESC LIMIT 1), \
@@ -362,14 +496,50 @@ UNION ALL SELECT 2, session_id, refresh_seq, mode, window_start, compaction_seq,
 UNION ALL SELECT 3, c.session_id, c.call_id, c.tool_name, c.call_seq, c.result_seq, NULL, NULL, NULL, NULL \
   FROM json_each(?3) j JOIN calls c \
     ON c.session_id = json_extract(j.value, '$[0]') AND c.call_id = json_extract(j.value, '$[1]') \
-UNION ALL SELECT 4, NULL, (SELECT COALESCE(MAX(position), 0) FROM events), NULL, NULL, NULL, NULL, NULL, NULL, NULL";
+UNION ALL SELECT 4, NULL, (SELECT COALESCE(MAX(position), 0) FROM events), NULL, NULL, NULL, NULL, NULL, NULL, NULL"
+    };
+}
+const PREFETCH: &str = prefetch_sql!();
+/// [`PREFETCH`] opening the write transaction, in one hop.
+const BEGIN_PREFETCH: &str = concat!("BEGIN IMMEDIATE;\n", prefetch_sql!());
 
 impl SqliteTx {
-    fn new(tx: Transaction<'static, Sqlite>) -> SqliteTx {
+    fn new(conn: TxConn) -> SqliteTx {
         SqliteTx {
-            tx,
+            conn,
+            pending: None,
             last_position: None,
             memo: Memo::default(),
+        }
+    }
+
+    /// The connection, ready for a statement of this transaction: on the
+    /// writer, the `BEGIN IMMEDIATE` and the pending writes sent first.
+    async fn conn(&mut self) -> Result<&mut SqliteConnection> {
+        match &mut self.conn {
+            TxConn::Read(tx) => Ok(&mut **tx),
+            TxConn::Write(w) => {
+                if !w.in_tx {
+                    // Marked first: if this is cancelled half-way, the
+                    // rollback still runs (one with nothing to undo is
+                    // harmless).
+                    w.in_tx = true;
+                    w.conn()?
+                        .execute("BEGIN IMMEDIATE")
+                        .await
+                        .map_err(Error::from_sqlx)?;
+                }
+                if let Some(mut q) = self.pending.take() {
+                    q.build()
+                        .execute(w.conn()?)
+                        .await
+                        .map_err(Error::from_sqlx)?;
+                }
+                w.conn()
+            }
+            TxConn::Done => Err(Error::Database(
+                "a statement was sent on a finished transaction".to_owned(),
+            )),
         }
     }
 
@@ -421,7 +591,7 @@ fn corrupt_prefetch(e: sqlx::Error) -> Error {
 
 impl LogTx for SqliteTx {
     async fn head_seq(&mut self, session_id: Uuid) -> Result<i64> {
-        head_seq(&mut *self.tx, session_id).await
+        head_seq(self.conn().await?, session_id).await
     }
 
     async fn head(&mut self, session_id: Uuid) -> Result<(i64, Option<String>)> {
@@ -433,7 +603,7 @@ impl LogTx for SqliteTx {
              (SELECT hash FROM events WHERE session_id = ?1 ORDER BY seq DESC LIMIT 1)",
         )
         .bind(session_id.to_string())
-        .fetch_one(&mut *self.tx)
+        .fetch_one(self.conn().await?)
         .await
         .map_err(Error::from_sqlx)?;
         self.last_position = Some(last_position);
@@ -455,13 +625,25 @@ impl LogTx for SqliteTx {
                 .map(|(s, c)| serde_json::json!([s.to_string(), c]))
                 .collect(),
         );
-        let rows = sqlx::query(PREFETCH)
+        // On a writer that has sent nothing yet, the `BEGIN IMMEDIATE` goes
+        // with the read (the driver runs the statements of one query in
+        // order and binds the parameters to the one that has them).
+        let opening = match &mut self.conn {
+            TxConn::Write(w) if !w.in_tx && self.pending.is_none() => {
+                w.in_tx = true;
+                true
+            }
+            _ => false,
+        };
+        let query = sqlx::query(if opening { BEGIN_PREFETCH } else { PREFETCH })
             .bind(sessions_json)
             .bind(ids_json)
-            .bind(calls_json)
-            .fetch_all(&mut *self.tx)
-            .await
-            .map_err(Error::from_sqlx)?;
+            .bind(calls_json);
+        let conn = match &mut self.conn {
+            TxConn::Write(w) if opening => w.conn()?,
+            _ => self.conn().await?,
+        };
+        let rows = query.fetch_all(conn).await.map_err(Error::from_sqlx)?;
         let mut memo = Memo {
             ids: ids.iter().copied().collect(),
             ..Memo::default()
@@ -586,7 +768,7 @@ impl LogTx for SqliteTx {
         q.push(" ORDER BY seq DESC LIMIT 1), 1");
         let rows: Vec<JudgeRow> = q
             .build_query_as()
-            .fetch_all(&mut *self.tx)
+            .fetch_all(self.conn().await?)
             .await
             .map_err(Error::from_sqlx)?;
         let mut stored = Vec::new();
@@ -607,7 +789,10 @@ impl LogTx for SqliteTx {
         // driver binds `?`s in order across them and runs them all, for one
         // hop to its worker thread instead of one per statement.
         let session = w.session_id.to_string();
-        let mut q = QueryBuilder::<Sqlite>::new("");
+        let mut q = self
+            .pending
+            .take()
+            .unwrap_or_else(|| QueryBuilder::<Sqlite>::new(""));
         for chunk in w.rows.chunks(INSERT_CHUNK) {
             q.push(
                 "INSERT INTO events (position, session_id, seq, event_id, type, payload, recorded_at, hash) ",
@@ -618,12 +803,12 @@ impl LogTx for SqliteTx {
                     .push_bind(r.seq)
                     .push_bind(r.event_id.to_string())
                     .push_bind(r.type_name)
-                    .push_bind(r.payload.as_str())
+                    .push_bind(r.payload.clone())
                     .push_bind(
                         r.recorded_at
                             .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
                     )
-                    .push_bind(r.hash.as_str());
+                    .push_bind(r.hash.clone());
             });
             q.push(";\n");
         }
@@ -631,8 +816,8 @@ impl LogTx for SqliteTx {
             q.push("INSERT INTO calls (session_id, call_id, tool_name, call_seq, result_seq) ");
             q.push_values(chunk, |mut b, c| {
                 b.push_bind(session.clone())
-                    .push_bind(c.0.as_str())
-                    .push_bind(c.1.as_str())
+                    .push_bind(c.0.clone())
+                    .push_bind(c.1.clone())
                     .push_bind(c.2)
                     .push_bind(c.3);
             });
@@ -648,13 +833,13 @@ impl LogTx for SqliteTx {
             q.push_values([v], |mut b, v| {
                 b.push_bind(session.clone())
                     .push_bind(v.refresh_seq)
-                    .push_bind(v.mode.as_str())
+                    .push_bind(v.mode.clone())
                     .push_bind(v.window_start)
                     .push_bind(v.compaction_seq)
-                    .push_bind(v.summary.as_deref())
-                    .push_bind(v.catalogs.as_str())
-                    .push_bind(v.evidence.as_str())
-                    .push_bind(v.active.as_str());
+                    .push_bind(v.summary.clone())
+                    .push_bind(v.catalogs.clone())
+                    .push_bind(v.evidence.clone())
+                    .push_bind(v.active.clone());
             });
             q.push(";\n");
         }
@@ -664,11 +849,11 @@ impl LogTx for SqliteTx {
             );
             q.push_values(chunk, |mut b, c| {
                 b.push_bind(c.position)
-                    .push_bind(c.tool.as_str())
+                    .push_bind(c.tool.clone())
                     .push_bind(session.clone())
                     .push_bind(c.seq)
                     .push_bind(sqlite_time(&c.recorded_at))
-                    .push_bind(c.change.as_str())
+                    .push_bind(c.change.clone())
                     .push_bind(c.evidence_seq);
             });
             q.push(";\n");
@@ -676,14 +861,12 @@ impl LogTx for SqliteTx {
         if let Some(tenant) = w.claim_for {
             q.push("INSERT INTO session_owners (session_id, tenant) ");
             q.push_values([tenant], |mut b, t| {
-                b.push_bind(session.clone()).push_bind(t);
+                b.push_bind(session.clone()).push_bind(t.to_owned());
             });
             q.push(";\n");
         }
-        q.build()
-            .execute(&mut *self.tx)
-            .await
-            .map_err(Error::from_sqlx)?;
+        // Sent with the next statement or the COMMIT (`SqliteTx::conn`).
+        self.pending = Some(q);
         self.accepted(&w);
         // SQLite has no notifications; subscribers poll.
         Ok(())
@@ -702,7 +885,7 @@ impl LogTx for SqliteTx {
             q.push(")");
             let rows: Vec<Row> = q
                 .build_query_as()
-                .fetch_all(&mut *self.tx)
+                .fetch_all(self.conn().await?)
                 .await
                 .map_err(Error::from_sqlx)?;
             for row in rows {
@@ -719,7 +902,7 @@ impl LogTx for SqliteTx {
         .bind(session_id.to_string())
         .bind(after)
         .bind(upto)
-        .fetch_all(&mut *self.tx)
+        .fetch_all(self.conn().await?)
         .await
         .map_err(Error::from_sqlx)?;
         rows.into_iter().map(decode).collect()
@@ -733,7 +916,7 @@ impl LogTx for SqliteTx {
             return Ok(last + 1);
         }
         let (last,): (i64,) = sqlx::query_as("SELECT COALESCE(MAX(position), 0) FROM events")
-            .fetch_one(&mut *self.tx)
+            .fetch_one(self.conn().await?)
             .await
             .map_err(Error::from_sqlx)?;
         Ok(last + 1)
@@ -758,7 +941,7 @@ impl LogTx for SqliteTx {
                     .push_bind(r.hash.as_str());
             });
             q.build()
-                .execute(&mut *self.tx)
+                .execute(self.conn().await?)
                 .await
                 .map_err(Error::from_sqlx)?;
         }
@@ -775,7 +958,7 @@ impl LogTx for SqliteTx {
              FROM session_views WHERE session_id = ?",
         )
         .bind(session_id.to_string())
-        .fetch_optional(&mut *self.tx)
+        .fetch_optional(self.conn().await?)
         .await
         .map_err(Error::from_sqlx)?;
         Ok(row.map(|r| ViewRow::from_columns(session_id, r)))
@@ -797,7 +980,7 @@ impl LogTx for SqliteTx {
         .bind(&v.catalogs)
         .bind(&v.evidence)
         .bind(&v.active)
-        .execute(&mut *self.tx)
+        .execute(self.conn().await?)
         .await
         .map_err(Error::from_sqlx)?;
         Ok(())
@@ -826,7 +1009,7 @@ impl LogTx for SqliteTx {
             q.push(")");
             let rows: Vec<CallRow> = q
                 .build_query_as()
-                .fetch_all(&mut *self.tx)
+                .fetch_all(self.conn().await?)
                 .await
                 .map_err(Error::from_sqlx)?;
             out.extend(rows);
@@ -851,7 +1034,7 @@ impl LogTx for SqliteTx {
                 " ON CONFLICT (session_id, call_id) DO UPDATE SET result_seq = excluded.result_seq",
             );
             q.build()
-                .execute(&mut *self.tx)
+                .execute(self.conn().await?)
                 .await
                 .map_err(Error::from_sqlx)?;
         }
@@ -864,7 +1047,7 @@ impl LogTx for SqliteTx {
              AND type IN ('prompt_submitted', 'mode_switched')",
         )
         .bind(session_id.to_string())
-        .fetch_one(&mut *self.tx)
+        .fetch_one(self.conn().await?)
         .await
         .map_err(Error::from_sqlx)?;
         Ok(seq)
@@ -879,7 +1062,7 @@ impl LogTx for SqliteTx {
         ] {
             sqlx::query(sql)
                 .bind(session_id.to_string())
-                .execute(&mut *self.tx)
+                .execute(self.conn().await?)
                 .await
                 .map_err(Error::from_sqlx)?;
         }
@@ -889,7 +1072,7 @@ impl LogTx for SqliteTx {
     async fn session_ids(&mut self) -> Result<Vec<Uuid>> {
         let rows: Vec<(String,)> =
             sqlx::query_as("SELECT DISTINCT session_id FROM events ORDER BY session_id")
-                .fetch_all(&mut *self.tx)
+                .fetch_all(self.conn().await?)
                 .await
                 .map_err(Error::from_sqlx)?;
         rows.into_iter()
@@ -903,7 +1086,7 @@ impl LogTx for SqliteTx {
         let row: Option<(String,)> =
             sqlx::query_as("SELECT tenant FROM session_owners WHERE session_id = ?")
                 .bind(session_id.to_string())
-                .fetch_optional(&mut *self.tx)
+                .fetch_optional(self.conn().await?)
                 .await
                 .map_err(Error::from_sqlx)?;
         Ok(row.map(|(t,)| t))
@@ -914,7 +1097,7 @@ impl LogTx for SqliteTx {
         sqlx::query("INSERT INTO session_owners (session_id, tenant) VALUES (?, ?)")
             .bind(session_id.to_string())
             .bind(tenant)
-            .execute(&mut *self.tx)
+            .execute(self.conn().await?)
             .await
             .map_err(Error::from_sqlx)?;
         Ok(())
@@ -938,7 +1121,7 @@ impl LogTx for SqliteTx {
             .bind(session_id.to_string())
             .bind(after)
             .bind(limit)
-            .fetch_all(&mut *self.tx)
+            .fetch_all(self.conn().await?)
             .await
             .map_err(Error::from_sqlx)?;
         rows.into_iter()
@@ -952,7 +1135,7 @@ impl LogTx for SqliteTx {
         sqlx::query("UPDATE events SET hash = ? WHERE position = ? AND hash IS NULL")
             .bind(hash)
             .bind(position)
-            .execute(&mut *self.tx)
+            .execute(self.conn().await?)
             .await
             .map_err(Error::from_sqlx)?;
         Ok(())
@@ -962,7 +1145,7 @@ impl LogTx for SqliteTx {
         let rows: Vec<(String,)> =
             sqlx::query_as("SELECT session_id FROM chain_backfill ORDER BY session_id LIMIT ?")
                 .bind(limit)
-                .fetch_all(&mut *self.tx)
+                .fetch_all(self.conn().await?)
                 .await
                 .map_err(Error::from_sqlx)?;
         rows.into_iter()
@@ -978,7 +1161,7 @@ impl LogTx for SqliteTx {
         let row: Option<(i64,)> =
             sqlx::query_as("SELECT 1 FROM chain_backfill WHERE session_id = ?")
                 .bind(session_id.to_string())
-                .fetch_optional(&mut *self.tx)
+                .fetch_optional(self.conn().await?)
                 .await
                 .map_err(Error::from_sqlx)?;
         Ok(row.is_some())
@@ -987,7 +1170,7 @@ impl LogTx for SqliteTx {
     async fn backfill_done(&mut self, session_id: Uuid) -> Result<()> {
         sqlx::query("DELETE FROM chain_backfill WHERE session_id = ?")
             .bind(session_id.to_string())
-            .execute(&mut *self.tx)
+            .execute(self.conn().await?)
             .await
             .map_err(Error::from_sqlx)?;
         Ok(())
@@ -997,7 +1180,7 @@ impl LogTx for SqliteTx {
         // Positions are max + 1 at each append, so the counter is the max.
         let (count, max): (i64, i64) =
             sqlx::query_as("SELECT COUNT(*), COALESCE(MAX(position), 0) FROM events")
-                .fetch_one(&mut *self.tx)
+                .fetch_one(self.conn().await?)
                 .await
                 .map_err(Error::from_sqlx)?;
         Ok((count, max, max))
@@ -1018,7 +1201,7 @@ impl LogTx for SqliteTx {
                     .push_bind(r.evidence_seq);
             });
             q.build()
-                .execute(&mut *self.tx)
+                .execute(self.conn().await?)
                 .await
                 .map_err(Error::from_sqlx)?;
         }
@@ -1028,7 +1211,7 @@ impl LogTx for SqliteTx {
     async fn load_changes(&mut self, session_id: Uuid) -> Result<Vec<ChangeRow>> {
         let rows: Vec<SqliteChange> = sqlx::query_as(CHANGE_SELECT_SESSION)
             .bind(session_id.to_string())
-            .fetch_all(&mut *self.tx)
+            .fetch_all(self.conn().await?)
             .await
             .map_err(Error::from_sqlx)?;
         rows.into_iter().map(decode_change).collect()
@@ -1038,7 +1221,7 @@ impl LogTx for SqliteTx {
         let rows: Vec<(String,)> =
             sqlx::query_as("SELECT session_id FROM changes_backfill ORDER BY session_id LIMIT ?")
                 .bind(limit)
-                .fetch_all(&mut *self.tx)
+                .fetch_all(self.conn().await?)
                 .await
                 .map_err(Error::from_sqlx)?;
         rows.into_iter()
@@ -1053,14 +1236,48 @@ impl LogTx for SqliteTx {
     async fn changes_backfill_done(&mut self, session_id: Uuid) -> Result<()> {
         sqlx::query("DELETE FROM changes_backfill WHERE session_id = ?")
             .bind(session_id.to_string())
-            .execute(&mut *self.tx)
+            .execute(self.conn().await?)
             .await
             .map_err(Error::from_sqlx)?;
         Ok(())
     }
 
-    async fn commit(self) -> Result<()> {
-        self.tx.commit().await.map_err(Error::from_sqlx)
+    async fn commit(mut self) -> Result<()> {
+        match std::mem::replace(&mut self.conn, TxConn::Done) {
+            TxConn::Read(tx) => tx.commit().await.map_err(Error::from_sqlx),
+            TxConn::Write(mut w) => {
+                if !w.in_tx {
+                    if self.pending.is_none() {
+                        // Nothing was sent: nothing to commit.
+                        return Ok(());
+                    }
+                    w.in_tx = true;
+                    let begun = w.conn()?.execute("BEGIN IMMEDIATE").await;
+                    if let Err(e) = begun {
+                        w.rollback().await;
+                        return Err(Error::from_sqlx(e));
+                    }
+                }
+                // The pending writes and the COMMIT, in one hop.
+                let mut q = self
+                    .pending
+                    .take()
+                    .unwrap_or_else(|| QueryBuilder::<Sqlite>::new(""));
+                q.push("COMMIT;");
+                let committed = q.build().execute(w.conn()?).await;
+                match committed {
+                    Ok(_) => {
+                        w.in_tx = false;
+                        Ok(())
+                    }
+                    Err(e) => {
+                        w.rollback().await;
+                        Err(Error::from_sqlx(e))
+                    }
+                }
+            }
+            TxConn::Done => Ok(()),
+        }
     }
 }
 
