@@ -481,6 +481,16 @@ struct SessionMemo {
 /// and hash, 1 a stored event with one of the ids, 2 a session's view,
 /// 3 a calls index row, 4 the largest position. The lists come as JSON
 /// arrays, so the statement's text never changes and stays prepared.
+/// The start of the calls upsert from a JSON array of
+/// `[call_id, tool_name, call_seq, result_seq]`.
+const CALLS_FROM_JSON: &str =
+    "INSERT INTO calls (session_id, call_id, tool_name, call_seq, result_seq) SELECT ";
+/// The start of the activation changes insert from a JSON array of
+/// `[position, tool, seq, recorded_at, change, evidence_seq]`.
+const CHANGES_FROM_JSON: &str = "INSERT INTO activation_changes \
+     (position, tool, session_id, seq, recorded_at, change, evidence_seq) \
+     SELECT value ->> 0, value ->> 1, ";
+
 macro_rules! prefetch_sql {
     () => {
         "\
@@ -812,17 +822,23 @@ impl LogTx for SqliteTx {
             });
             q.push(";\n");
         }
-        for chunk in w.calls.chunks(INSERT_CHUNK) {
-            q.push("INSERT INTO calls (session_id, call_id, tool_name, call_seq, result_seq) ");
-            q.push_values(chunk, |mut b, c| {
-                b.push_bind(session.clone())
-                    .push_bind(c.0.clone())
-                    .push_bind(c.1.clone())
-                    .push_bind(c.2)
-                    .push_bind(c.3);
-            });
+        // The calls and the activation changes go as one JSON array each,
+        // so that the text of the whole query depends on the number of
+        // events only: a text the driver has not seen is prepared again
+        // (all its statements), and the number of calls and changes varies
+        // from batch to batch.
+        if !w.calls.is_empty() {
+            let rows: Vec<serde_json::Value> = w
+                .calls
+                .iter()
+                .map(|c| serde_json::json!([c.0, c.1, c.2, c.3]))
+                .collect();
+            q.push(CALLS_FROM_JSON);
+            q.push_bind(session.clone());
+            q.push(", value ->> 0, value ->> 1, value ->> 2, value ->> 3 FROM json_each(");
+            q.push_bind(serde_json::Value::Array(rows).to_string());
             q.push(
-                " ON CONFLICT (session_id, call_id) DO UPDATE SET result_seq = excluded.result_seq;\n",
+                ") WHERE true ON CONFLICT (session_id, call_id) DO UPDATE SET result_seq = excluded.result_seq;\n",
             );
         }
         if let Some(v) = w.view {
@@ -843,20 +859,26 @@ impl LogTx for SqliteTx {
             });
             q.push(";\n");
         }
-        for chunk in w.changes.chunks(INSERT_CHUNK) {
-            q.push(
-                "INSERT INTO activation_changes (position, tool, session_id, seq, recorded_at, change, evidence_seq) ",
-            );
-            q.push_values(chunk, |mut b, c| {
-                b.push_bind(c.position)
-                    .push_bind(c.tool.clone())
-                    .push_bind(session.clone())
-                    .push_bind(c.seq)
-                    .push_bind(sqlite_time(&c.recorded_at))
-                    .push_bind(c.change.clone())
-                    .push_bind(c.evidence_seq);
-            });
-            q.push(";\n");
+        if !w.changes.is_empty() {
+            let rows: Vec<serde_json::Value> = w
+                .changes
+                .iter()
+                .map(|c| {
+                    serde_json::json!([
+                        c.position,
+                        c.tool,
+                        c.seq,
+                        sqlite_time(&c.recorded_at),
+                        c.change,
+                        c.evidence_seq
+                    ])
+                })
+                .collect();
+            q.push(CHANGES_FROM_JSON);
+            q.push_bind(session.clone());
+            q.push(", value ->> 2, value ->> 3, value ->> 4, value ->> 5 FROM json_each(");
+            q.push_bind(serde_json::Value::Array(rows).to_string());
+            q.push(");\n");
         }
         if let Some(tenant) = w.claim_for {
             q.push("INSERT INTO session_owners (session_id, tenant) ");
