@@ -890,21 +890,33 @@ impl Store {
             let head = self.head_seq(session_id).await?;
             return Ok((head == cached.seq).then_some(cached));
         }
-        let row = match &self.backend {
-            Backend::Sqlite(b) => b.view(session_id).await?,
-            Backend::Postgres(b) => b.view(session_id).await?,
+        let (view, events) = match &self.backend {
+            // One statement for both (each is a hop to the driver's worker
+            // thread, and a pooled connection's release costs another).
+            Backend::Sqlite(b) => match b.view_and_window(session_id, FOLD_PAGE).await? {
+                Some((row, events)) => (row.to_view()?, events),
+                None => return Ok(None),
+            },
+            Backend::Postgres(b) => {
+                let Some(row) = b.view(session_id).await? else {
+                    return Ok(None);
+                };
+                let view = row.to_view()?;
+                let window = view.refresh_seq - view.window_start + 1;
+                if window < 0 {
+                    return Ok(None);
+                }
+                let events = b
+                    .page(session_id, view.window_start - 1, window + FOLD_PAGE)
+                    .await?;
+                (view, events)
+            }
         };
-        let Some(row) = row else { return Ok(None) };
-        let view = row.to_view()?;
         let window = view.refresh_seq - view.window_start + 1;
         if window < 0 {
             return Ok(None);
         }
         let limit = window + FOLD_PAGE;
-        let events = match &self.backend {
-            Backend::Sqlite(b) => b.page(session_id, view.window_start - 1, limit).await?,
-            Backend::Postgres(b) => b.page(session_id, view.window_start - 1, limit).await?,
-        };
         if events.len() as i64 >= limit {
             return Ok(None);
         }

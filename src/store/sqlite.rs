@@ -297,17 +297,49 @@ impl SqliteBackend {
         rows.into_iter().map(decode).collect()
     }
 
-    /// The session's materialized view, outside any transaction.
-    pub(crate) async fn view(&self, session_id: Uuid) -> Result<Option<ViewRow>> {
-        let row: Option<ViewColumns> = sqlx::query_as(
-            "SELECT refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active \
-             FROM session_views WHERE session_id = ?",
-        )
-        .bind(session_id.to_string())
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(Error::from_sqlx)?;
-        Ok(row.map(|r| ViewRow::from_columns(session_id, r)))
+    /// The session's view and the events from its window's start on (at
+    /// most the window and `after` more), in one statement: the cold
+    /// pre-request read, one hop to the driver's worker instead of two.
+    /// `None` when the session has no view.
+    pub(crate) async fn view_and_window(
+        &self,
+        session_id: Uuid,
+        after: i64,
+    ) -> Result<Option<(ViewRow, Vec<StoredEvent>)>> {
+        let rows = sqlx::query(VIEW_AND_WINDOW)
+            .bind(session_id.to_string())
+            .bind(after)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(Error::from_sqlx)?;
+        let mut view = None;
+        let mut events = Vec::with_capacity(rows.len());
+        for row in rows {
+            let kind: i64 = row.try_get(0).map_err(corrupt_prefetch)?;
+            if kind == 0 {
+                let columns: ViewColumns = (
+                    row.try_get(1).map_err(corrupt_prefetch)?,
+                    row.try_get(2).map_err(corrupt_prefetch)?,
+                    row.try_get(3).map_err(corrupt_prefetch)?,
+                    row.try_get(4).map_err(corrupt_prefetch)?,
+                    row.try_get(5).map_err(corrupt_prefetch)?,
+                    row.try_get(6).map_err(corrupt_prefetch)?,
+                    row.try_get(7).map_err(corrupt_prefetch)?,
+                    row.try_get(8).map_err(corrupt_prefetch)?,
+                );
+                view = Some(ViewRow::from_columns(session_id, columns));
+            } else {
+                events.push(decode((
+                    row.try_get(1).map_err(corrupt_prefetch)?,
+                    row.try_get(2).map_err(corrupt_prefetch)?,
+                    row.try_get(3).map_err(corrupt_prefetch)?,
+                    row.try_get(4).map_err(corrupt_prefetch)?,
+                    row.try_get(5).map_err(corrupt_prefetch)?,
+                    row.try_get(6).map_err(corrupt_prefetch)?,
+                ))?);
+            }
+        }
+        Ok(view.map(|v| (v, events)))
     }
 
     pub(crate) async fn feed(&self, after: i64, limit: i64) -> Result<Vec<StoredEvent>> {
@@ -481,6 +513,21 @@ struct SessionMemo {
 /// and hash, 1 a stored event with one of the ids, 2 a session's view,
 /// 3 a calls index row, 4 the largest position. The lists come as JSON
 /// arrays, so the statement's text never changes and stays prepared.
+/// [`SqliteBackend::view_and_window`]: the view row (kind 0), then the
+/// events from the view's window start on, at most the window and `?2`
+/// more (kind 1); one snapshot, as any single statement. (SQLite refuses
+/// a `NULL` limit: without a view, the limit is 0.)
+const VIEW_AND_WINDOW: &str = "\
+SELECT 0, refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active \
+  FROM session_views WHERE session_id = ?1 \
+UNION ALL SELECT * FROM (\
+  SELECT 1, position, session_id, seq, event_id, payload, recorded_at, NULL, NULL FROM events \
+  WHERE session_id = ?1 \
+    AND seq >= (SELECT window_start FROM session_views WHERE session_id = ?1) \
+  ORDER BY seq \
+  LIMIT COALESCE((SELECT MAX(0, refresh_seq - window_start + 1 + ?2) \
+                   FROM session_views WHERE session_id = ?1), 0))";
+
 /// The start of the calls upsert from a JSON array of
 /// `[call_id, tool_name, call_seq, result_seq]`.
 const CALLS_FROM_JSON: &str =
