@@ -326,13 +326,23 @@ fn backend_name(kind: BackendKind) -> &'static str {
 
 /// Flushes the machine's dirty pages (`sync`), so that what the previous
 /// phase wrote is not written back during, and charged to, the next phase's
-/// fsyncs; on PostgreSQL first has the server write out its own dirty
-/// buffers (`CHECKPOINT`), which `sync` cannot reach: after the 10^6-event
-/// build, the checkpoint that build started ran into the read phase. Best
+/// fsyncs; on PostgreSQL first has the server finish the aftermath of the
+/// previous phase's bulk writes, which `sync` cannot reach: `VACUUM
+/// (ANALYZE)`, the work autovacuum would otherwise start on `events` in the
+/// first seconds of the next phase (the server log of a run shows it
+/// starting at the end of the 10^6-event build; the read phase's stalls of
+/// 250–330 ms are suspected to be that vacuum's I/O beside a checkpoint's
+/// on these machines' slow disks), then `CHECKPOINT` (the checkpoint that
+/// build started ran into the read phase). A long-lived store is vacuumed
+/// each time it grows by a fifth, beside its traffic; only a bench loads a
+/// million events and reads in the next second. Best
 /// effort: without a `sync` program, or without the right to `CHECKPOINT`
 /// (a superuser's or `pg_checkpoint`'s), that step is skipped.
 async fn settle(kind: BackendKind, url: &str) {
     if kind == BackendKind::Postgres {
+        if let Err(e) = admin_sql(url, "VACUUM (ANALYZE)").await {
+            tracing::warn!(cause = %e, "VACUUM before a bench phase failed; going on without it");
+        }
         if let Err(e) = admin_sql(url, "CHECKPOINT").await {
             tracing::warn!(cause = %e, "CHECKPOINT before a bench phase failed; going on without it");
         }

@@ -872,17 +872,15 @@ impl Store {
         Ok(state)
     }
 
-    /// The latest state in one or two statements and no transaction: the
+    /// The latest state in one statement and no transaction: the
     /// read a sidecar makes before every model request, so its round trips
     /// are most of its cost (docs/benchmarks.md).
     ///
     /// With a cached state, one statement reads the head: nothing appended
     /// since means the cache is the answer. Without, one statement reads
-    /// the view and one reads every event from the view's window start on
-    /// (the window and what came after the view). The log is append-only
-    /// with dense seqs, so the second statement, whenever it runs, returns
-    /// the window the first one's view describes, followed by later events
-    /// only; no snapshot is needed to make them agree. `None` (something
+    /// the view and every event from the view's window start on (the
+    /// window and what came after the view), both from its snapshot.
+    /// `None` (something
     /// was appended since the cached state, no view, or more than a page
     /// after the view) leaves it to the transactional path.
     async fn latest_fast(&self, session_id: Uuid) -> Result<Option<SessionState>> {
@@ -892,25 +890,16 @@ impl Store {
         }
         let (view, events) = match &self.backend {
             // One statement for both (each is a hop to the driver's worker
-            // thread, and a pooled connection's release costs another).
+            // thread or a round trip, and a pooled connection's release
+            // costs another).
             Backend::Sqlite(b) => match b.view_and_window(session_id, FOLD_PAGE).await? {
                 Some((row, events)) => (row.to_view()?, events),
                 None => return Ok(None),
             },
-            Backend::Postgres(b) => {
-                let Some(row) = b.view(session_id).await? else {
-                    return Ok(None);
-                };
-                let view = row.to_view()?;
-                let window = view.refresh_seq - view.window_start + 1;
-                if window < 0 {
-                    return Ok(None);
-                }
-                let events = b
-                    .page(session_id, view.window_start - 1, window + FOLD_PAGE)
-                    .await?;
-                (view, events)
-            }
+            Backend::Postgres(b) => match b.view_and_window(session_id, FOLD_PAGE).await? {
+                Some((row, events)) => (row.to_view()?, events),
+                None => return Ok(None),
+            },
         };
         let window = view.refresh_seq - view.window_start + 1;
         if window < 0 {

@@ -49,6 +49,10 @@ type JudgeRow = (
     Option<String>,
 );
 
+/// A row of `view_and_window`: an event's [`Row`], or (with the last
+/// column set) the view as a JSON array.
+type ViewOrEvent = (i64, Uuid, i64, Uuid, String, DateTime<Utc>, Option<String>);
+
 /// A calls index row as `prefetch` returns it (JSON array).
 type CallJson = (Uuid, String, String, i64, Option<i64>);
 
@@ -215,16 +219,54 @@ impl PgBackend {
     }
 
     /// The session's materialized view, outside any transaction.
-    pub(crate) async fn view(&self, session_id: Uuid) -> Result<Option<ViewRow>> {
-        let row: Option<ViewColumns> = sqlx::query_as(
-            "SELECT refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active \
-             FROM session_views WHERE session_id = $1",
-        )
-        .bind(session_id)
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(Error::from_sqlx)?;
-        Ok(row.map(|r| ViewRow::from_columns(session_id, r)))
+    /// The session's view and the events from its window start on (at
+    /// most the window and `after` more), in one statement: the cold
+    /// pre-request read, one round trip instead of two. `None` when the
+    /// session has no view.
+    pub(crate) async fn view_and_window(
+        &self,
+        session_id: Uuid,
+        after: i64,
+    ) -> Result<Option<(ViewRow, Vec<StoredEvent>)>> {
+        // The view as JSON in a row of its own (the last column set), then
+        // the events, each part from the same snapshot.
+        let rows: Vec<ViewOrEvent> =
+            sqlx::query_as(
+                "SELECT 0::BIGINT, v.session_id, 0::BIGINT, v.session_id, '', now(), \
+                     json_build_array(v.refresh_seq, v.mode, v.window_start, v.compaction_seq, \
+                       v.summary, v.catalogs, v.evidence, v.active)::TEXT \
+                   FROM session_views v WHERE v.session_id = $1 \
+                 UNION ALL \
+                 SELECT e.position, e.session_id, e.seq, e.event_id, e.payload, e.recorded_at, NULL \
+                   FROM session_views v CROSS JOIN LATERAL \
+                     (SELECT position, session_id, seq, event_id, payload, recorded_at FROM events \
+                      WHERE session_id = $1 AND seq >= v.window_start ORDER BY seq \
+                      LIMIT GREATEST(0, v.refresh_seq - v.window_start + 1 + $2)) AS e \
+                   WHERE v.session_id = $1",
+            )
+            .bind(session_id)
+            .bind(after)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(Error::from_sqlx)?;
+        let mut view = None;
+        let mut events = Vec::with_capacity(rows.len());
+        for (p, s, q, e, payload, t, json) in rows {
+            match json {
+                Some(json) => {
+                    let columns: ViewColumns = serde_json::from_str(&json).map_err(|e| {
+                        Error::Corrupt(format!(
+                            "the view of session {session_id} could not be read: {e}"
+                        ))
+                    })?;
+                    view = Some(ViewRow::from_columns(session_id, columns));
+                }
+                None => events.push(decode((p, s, q, e, payload, t))?),
+            }
+        }
+        // Each part comes in its own order; the events in seq order.
+        events.sort_by_key(|e| e.seq);
+        Ok(view.map(|v| (v, events)))
     }
 
     pub(crate) async fn feed(&self, after: i64, limit: i64) -> Result<Vec<StoredEvent>> {
