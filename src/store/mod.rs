@@ -880,9 +880,9 @@ impl Store {
     /// since means the cache is the answer. Without, one statement reads
     /// the view and every event from the view's window start on (the
     /// window and what came after the view), both from its snapshot.
-    /// `None` (something
-    /// was appended since the cached state, no view, or more than a page
-    /// after the view) leaves it to the transactional path.
+    /// `None` (something was appended since the cached state, no view, or
+    /// more than a page after the view) leaves it to the transactional
+    /// path.
     async fn latest_fast(&self, session_id: Uuid) -> Result<Option<SessionState>> {
         if let Some(cached) = self.cached_state(session_id) {
             let head = self.head_seq(session_id).await?;

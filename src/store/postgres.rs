@@ -218,7 +218,6 @@ impl PgBackend {
         rows.into_iter().map(decode).collect()
     }
 
-    /// The session's materialized view, outside any transaction.
     /// The session's view and the events from its window start on (at
     /// most the window and `after` more), in one statement: the cold
     /// pre-request read, one round trip instead of two. `None` when the
