@@ -98,6 +98,20 @@ impl Writer {
             .ok_or_else(|| Error::Unavailable("the SQLite writer connection is closed".to_owned()))
     }
 
+    /// Opens a write transaction unless one is open. Marked first: if
+    /// this is cancelled half-way, the rollback still runs (one with
+    /// nothing to undo is harmless).
+    async fn begin(&mut self) -> Result<()> {
+        if !self.in_tx {
+            self.in_tx = true;
+            self.conn()?
+                .execute("BEGIN IMMEDIATE")
+                .await
+                .map_err(Error::from_sqlx)?;
+        }
+        Ok(())
+    }
+
     /// Ends an open transaction without its writes. A connection whose
     /// rollback fails for another reason than "no transaction is active"
     /// (the `COMMIT` went through, or the transaction was already undone)
@@ -315,28 +329,11 @@ impl SqliteBackend {
         let mut view = None;
         let mut events = Vec::with_capacity(rows.len());
         for row in rows {
-            let kind: i64 = row.try_get(0).map_err(corrupt_prefetch)?;
+            let kind: i64 = row.try_get(0).map_err(corrupt_row)?;
             if kind == 0 {
-                let columns: ViewColumns = (
-                    row.try_get(1).map_err(corrupt_prefetch)?,
-                    row.try_get(2).map_err(corrupt_prefetch)?,
-                    row.try_get(3).map_err(corrupt_prefetch)?,
-                    row.try_get(4).map_err(corrupt_prefetch)?,
-                    row.try_get(5).map_err(corrupt_prefetch)?,
-                    row.try_get(6).map_err(corrupt_prefetch)?,
-                    row.try_get(7).map_err(corrupt_prefetch)?,
-                    row.try_get(8).map_err(corrupt_prefetch)?,
-                );
-                view = Some(ViewRow::from_columns(session_id, columns));
+                view = Some(ViewRow::from_columns(session_id, view_at(&row, 1)?));
             } else {
-                events.push(decode((
-                    row.try_get(1).map_err(corrupt_prefetch)?,
-                    row.try_get(2).map_err(corrupt_prefetch)?,
-                    row.try_get(3).map_err(corrupt_prefetch)?,
-                    row.try_get(4).map_err(corrupt_prefetch)?,
-                    row.try_get(5).map_err(corrupt_prefetch)?,
-                    row.try_get(6).map_err(corrupt_prefetch)?,
-                ))?);
+                events.push(event_at(&row)?);
             }
         }
         Ok(view.map(|v| (v, events)))
@@ -521,7 +518,7 @@ const VIEW_AND_WINDOW: &str = "\
 SELECT 0, refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active \
   FROM session_views WHERE session_id = ?1 \
 UNION ALL SELECT * FROM (\
-  SELECT 1, position, session_id, seq, event_id, payload, recorded_at, NULL, NULL FROM events \
+  SELECT 1, session_id, position, seq, event_id, payload, recorded_at, NULL, NULL FROM events \
   WHERE session_id = ?1 \
     AND seq >= (SELECT window_start FROM session_views WHERE session_id = ?1) \
   ORDER BY seq \
@@ -576,16 +573,7 @@ impl SqliteTx {
         match &mut self.conn {
             TxConn::Read(tx) => Ok(&mut **tx),
             TxConn::Write(w) => {
-                if !w.in_tx {
-                    // Marked first: if this is cancelled half-way, the
-                    // rollback still runs (one with nothing to undo is
-                    // harmless).
-                    w.in_tx = true;
-                    w.conn()?
-                        .execute("BEGIN IMMEDIATE")
-                        .await
-                        .map_err(Error::from_sqlx)?;
-                }
+                w.begin().await?;
                 if let Some(mut q) = self.pending.take() {
                     q.build()
                         .execute(w.conn()?)
@@ -642,8 +630,37 @@ impl SqliteTx {
     }
 }
 
-fn corrupt_prefetch(e: sqlx::Error) -> Error {
-    Error::Corrupt(format!("a prefetched row could not be read: {e}"))
+/// A row of the queries that return rows of several kinds (`PREFETCH`,
+/// `VIEW_AND_WINDOW`) whose columns are not what its kind says.
+fn corrupt_row(e: sqlx::Error) -> Error {
+    Error::Corrupt(format!("a row read ahead could not be read: {e}"))
+}
+
+/// The event of a row of several kinds: session id, position, seq, event
+/// id, payload and time in columns 1 to 6.
+fn event_at(row: &sqlx::sqlite::SqliteRow) -> Result<StoredEvent> {
+    decode((
+        row.try_get(2).map_err(corrupt_row)?,
+        row.try_get(1).map_err(corrupt_row)?,
+        row.try_get(3).map_err(corrupt_row)?,
+        row.try_get(4).map_err(corrupt_row)?,
+        row.try_get(5).map_err(corrupt_row)?,
+        row.try_get(6).map_err(corrupt_row)?,
+    ))
+}
+
+/// The view columns of a row of several kinds, from column `first` on.
+fn view_at(row: &sqlx::sqlite::SqliteRow, first: usize) -> Result<ViewColumns> {
+    Ok((
+        row.try_get(first).map_err(corrupt_row)?,
+        row.try_get(first + 1).map_err(corrupt_row)?,
+        row.try_get(first + 2).map_err(corrupt_row)?,
+        row.try_get(first + 3).map_err(corrupt_row)?,
+        row.try_get(first + 4).map_err(corrupt_row)?,
+        row.try_get(first + 5).map_err(corrupt_row)?,
+        row.try_get(first + 6).map_err(corrupt_row)?,
+        row.try_get(first + 7).map_err(corrupt_row)?,
+    ))
 }
 
 impl LogTx for SqliteTx {
@@ -708,15 +725,15 @@ impl LogTx for SqliteTx {
         let mut views = HashMap::new();
         let mut found_calls: HashMap<Uuid, HashMap<String, CallRow>> = HashMap::new();
         for row in rows {
-            let kind: i64 = row.try_get(0).map_err(corrupt_prefetch)?;
+            let kind: i64 = row.try_get(0).map_err(corrupt_row)?;
             let session = |row: &sqlx::sqlite::SqliteRow| -> Result<Uuid> {
-                let s: String = row.try_get(1).map_err(corrupt_prefetch)?;
+                let s: String = row.try_get(1).map_err(corrupt_row)?;
                 Uuid::parse_str(&s).map_err(|_| Error::Corrupt(format!("bad session_id {s:?}")))
             };
             match kind {
                 0 => {
-                    let head: Option<i64> = row.try_get(2).map_err(corrupt_prefetch)?;
-                    let hash: Option<String> = row.try_get(3).map_err(corrupt_prefetch)?;
+                    let head: Option<i64> = row.try_get(2).map_err(corrupt_row)?;
+                    let hash: Option<String> = row.try_get(3).map_err(corrupt_row)?;
                     memo.sessions.insert(
                         session(&row)?,
                         SessionMemo {
@@ -729,43 +746,26 @@ impl LogTx for SqliteTx {
                     );
                 }
                 1 => {
-                    let event = decode((
-                        row.try_get(2).map_err(corrupt_prefetch)?,
-                        row.try_get(1).map_err(corrupt_prefetch)?,
-                        row.try_get(3).map_err(corrupt_prefetch)?,
-                        row.try_get(4).map_err(corrupt_prefetch)?,
-                        row.try_get(5).map_err(corrupt_prefetch)?,
-                        row.try_get(6).map_err(corrupt_prefetch)?,
-                    ))?;
+                    let event = event_at(&row)?;
                     memo.stored.insert(event.event_id, event);
                 }
                 2 => {
                     let id = session(&row)?;
-                    let columns: ViewColumns = (
-                        row.try_get(2).map_err(corrupt_prefetch)?,
-                        row.try_get(3).map_err(corrupt_prefetch)?,
-                        row.try_get(4).map_err(corrupt_prefetch)?,
-                        row.try_get(5).map_err(corrupt_prefetch)?,
-                        row.try_get(6).map_err(corrupt_prefetch)?,
-                        row.try_get(7).map_err(corrupt_prefetch)?,
-                        row.try_get(8).map_err(corrupt_prefetch)?,
-                        row.try_get(9).map_err(corrupt_prefetch)?,
-                    );
-                    views.insert(id, ViewRow::from_columns(id, columns));
+                    views.insert(id, ViewRow::from_columns(id, view_at(&row, 2)?));
                 }
                 3 => {
                     let call: CallRow = (
-                        row.try_get(2).map_err(corrupt_prefetch)?,
-                        row.try_get(3).map_err(corrupt_prefetch)?,
-                        row.try_get(4).map_err(corrupt_prefetch)?,
-                        row.try_get(5).map_err(corrupt_prefetch)?,
+                        row.try_get(2).map_err(corrupt_row)?,
+                        row.try_get(3).map_err(corrupt_row)?,
+                        row.try_get(4).map_err(corrupt_row)?,
+                        row.try_get(5).map_err(corrupt_row)?,
                     );
                     found_calls
                         .entry(session(&row)?)
                         .or_default()
                         .insert(call.0.clone(), call);
                 }
-                _ => self.last_position = Some(row.try_get(2).map_err(corrupt_prefetch)?),
+                _ => self.last_position = Some(row.try_get(2).map_err(corrupt_row)?),
             }
         }
         for (id, m) in memo.sessions.iter_mut() {
@@ -1315,17 +1315,13 @@ impl LogTx for SqliteTx {
         match std::mem::replace(&mut self.conn, TxConn::Done) {
             TxConn::Read(tx) => tx.commit().await.map_err(Error::from_sqlx),
             TxConn::Write(mut w) => {
-                if !w.in_tx {
-                    if self.pending.is_none() {
-                        // Nothing was sent: nothing to commit.
-                        return Ok(());
-                    }
-                    w.in_tx = true;
-                    let begun = w.conn()?.execute("BEGIN IMMEDIATE").await;
-                    if let Err(e) = begun {
-                        w.rollback().await;
-                        return Err(Error::from_sqlx(e));
-                    }
+                if !w.in_tx && self.pending.is_none() {
+                    // Nothing was sent: nothing to commit.
+                    return Ok(());
+                }
+                if let Err(e) = w.begin().await {
+                    w.rollback().await;
+                    return Err(e);
                 }
                 // The pending writes and the COMMIT, in one hop.
                 let mut q = self
