@@ -3,7 +3,8 @@
 //! profiling the append path (docs/benchmarks.md).
 //!
 //! `cargo run --release --example append_probe -- postgres|sqlite
-//! distinct|shared WRITERS BATCH [SECONDS] [REPEATS]`
+//! distinct|shared WRITERS BATCH [SECONDS] [REPEATS]`; with `PROBE_PG_URL`
+//! set, on that PostgreSQL server instead of a throw-away one.
 
 use session_store::bench::append::{run_plan, AppendPlan};
 use session_store::pgtemp::{find_pg_bin, PgServer, PgTempOptions};
@@ -36,7 +37,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let shared = [args[1] == "shared"];
     let dir = tempfile::tempdir()?;
     let server;
-    let url = if args[0] == "postgres" {
+    let url = if let (true, Ok(url)) = (args[0] == "postgres", std::env::var("PROBE_PG_URL")) {
+        // A server of one's own (say, with auto_explain on).
+        url
+    } else if args[0] == "postgres" {
         let bin = find_pg_bin().ok_or("no PostgreSQL binaries found")?;
         server = PgServer::start(&bin, PgTempOptions::default())?;
         server.url()

@@ -30,16 +30,36 @@
 //! fails the whole group, which rolls back; each of its appends gets the
 //! error, and none of them was stored.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use tokio::sync::{oneshot, OwnedMutexGuard};
 use uuid::Uuid;
 
-use super::{append_in, Backend, LogTx, StateCache, StoreOptions};
+use super::postgres::{OptimisticMiss, PgBackend};
+use super::{append_in, Backend, LogTx, StateCache, StoreOptions, Warm};
 use crate::error::{Error, Result};
 use crate::event::{EventBody, NewEvent};
-use crate::projector::SessionState;
 use crate::store::AppendOutcome;
+
+/// [`super::AppendPaths`], counted as groups are committed.
+#[derive(Default)]
+pub(crate) struct PathCounters {
+    locked: AtomicU64,
+    optimistic: AtomicU64,
+    abandoned: AtomicU64,
+}
+
+impl PathCounters {
+    pub(crate) fn snapshot(&self) -> super::AppendPaths {
+        super::AppendPaths {
+            locked: self.locked.load(Ordering::Relaxed),
+            optimistic: self.optimistic.load(Ordering::Relaxed),
+            optimistic_abandoned: self.abandoned.load(Ordering::Relaxed),
+        }
+    }
+}
 
 /// One append waiting in the queue.
 pub(crate) struct Pending {
@@ -88,12 +108,20 @@ pub(crate) async fn commit_group(
     backend: Backend,
     options: StoreOptions,
     states: StateCache,
+    paths: Arc<PathCounters>,
     group: Vec<Pending>,
     slot: OwnedMutexGuard<()>,
 ) {
-    match &backend {
-        Backend::Sqlite(b) => run(b.begin_write().await, &options, &states, group).await,
-        Backend::Postgres(b) => run(b.begin_write().await, &options, &states, group).await,
+    let group = match &backend {
+        Backend::Postgres(b) => optimistic(b, &options, &states, &paths, group).await,
+        Backend::Sqlite(_) => Some(group),
+    };
+    if let Some(group) = group {
+        paths.locked.fetch_add(1, Ordering::Relaxed);
+        match &backend {
+            Backend::Sqlite(b) => run(b.begin_write().await, &options, &states, group).await,
+            Backend::Postgres(b) => run(b.begin_write().await, &options, &states, group).await,
+        }
     }
     drop(slot);
 }
@@ -143,7 +171,7 @@ async fn run<T: LogTx>(
     // The states of the sessions this group appended to, as its accepted
     // appends left them; they go to the cache only if the commit succeeds.
     tracing::debug!(appends = group.len(), "group commit");
-    let mut local: HashMap<Uuid, SessionState> = HashMap::new();
+    let mut local: HashMap<Uuid, Warm> = HashMap::new();
     let mut accepted = Vec::new();
     let mut broken: Option<Error> = None;
     for p in group {
@@ -186,8 +214,17 @@ async fn run<T: LogTx>(
             }
         }
     }
-    if broken.is_some() || accepted.is_empty() {
-        // Dropping the transaction rolls it back.
+    if broken.is_some() {
+        // Dropping the transaction rolls it back; the states advanced by
+        // its accepted appends go with it.
+        return;
+    }
+    if accepted.is_empty() {
+        // Every append was refused: no state was advanced (a refused batch
+        // leaves its state untouched or takes it), so the cache keeps them.
+        for warm in local.into_values() {
+            states.put(warm);
+        }
         return;
     }
     if let Some(pause) = options.fault_pause_before_commit {
@@ -211,4 +248,152 @@ async fn run<T: LogTx>(
             }
         }
     }
+}
+
+/// PostgreSQL's one-round-trip group (docs/design.md, "Optimistic appends
+/// on PostgreSQL"): when an append of this process left every session of
+/// the group in the cache, with its head's hash, stored view and owner
+/// known, the group is judged against those without reading the database,
+/// and its writes go in one autocommitted call of `session_store_append`
+/// (migration 0007), which takes the counter's lock, checks that every
+/// session's head is still the one judged against and that no call id the
+/// judgement took as new is stored, then writes, with the positions moved
+/// past the counter.
+///
+/// Returns the group untouched (no reply sent) when it must be judged
+/// under the lock instead: a session not known, a read the cache cannot
+/// answer, any rejection (the judgement is redone against the database,
+/// which has the last word), or a check of the write that failed. Nothing
+/// was written then: the call failed on the server, which rolled it back.
+/// The states the attempt took from the cache are dropped; the locked
+/// path reads them afresh.
+async fn optimistic(
+    b: &PgBackend,
+    options: &StoreOptions,
+    states: &StateCache,
+    paths: &PathCounters,
+    group: Vec<Pending>,
+) -> Option<Vec<Pending>> {
+    if options.fault_pause_before_commit.is_some()
+        || !group
+            .iter()
+            .all(|p| p.reply.is_closed() || states.is_known(p.session_id))
+    {
+        return Some(group);
+    }
+    let mut tx = b.optimistic();
+    let mut local: HashMap<Uuid, Warm> = HashMap::new();
+    let mut heads: HashMap<Uuid, i64> = HashMap::new();
+    for p in group.iter().filter(|p| !p.reply.is_closed()) {
+        if local.contains_key(&p.session_id) {
+            continue;
+        }
+        // Known a moment ago, and the writer slot is held: only a read of
+        // this process can have replaced it since (with a later state).
+        match states.take(p.session_id) {
+            Some(warm) if warm.known.is_some() => {
+                tx.assume(&warm);
+                heads.insert(p.session_id, warm.state.seq);
+                local.insert(p.session_id, warm);
+            }
+            other => {
+                other
+                    .into_iter()
+                    .chain(local.into_values())
+                    .for_each(|w| states.put(w));
+                return Some(group);
+            }
+        }
+    }
+    paths.optimistic.fetch_add(1, Ordering::Relaxed);
+    let mut outcomes = Vec::with_capacity(group.len());
+    // Sessions an accepted append of this group advanced: their states
+    // hold writes that are not stored yet.
+    let mut advanced: HashSet<Uuid> = HashSet::new();
+    for (i, p) in group.iter().enumerate() {
+        if p.reply.is_closed() {
+            continue;
+        }
+        let mut cached = local.remove(&p.session_id);
+        let result = append_in(
+            &mut tx,
+            &mut cached,
+            p.tenant.as_deref(),
+            p.session_id,
+            p.expected_seq,
+            &p.events,
+            options,
+        )
+        .await;
+        if let Some(warm) = cached {
+            local.insert(p.session_id, warm);
+        }
+        match result {
+            Ok(outcome) => {
+                advanced.insert(p.session_id);
+                outcomes.push((i, outcome));
+            }
+            Err(_) => {
+                // Judged again under the lock, which has the last word. The
+                // states no accepted append advanced are still true (a
+                // refused batch leaves its state untouched or takes it).
+                tracing::debug!(session = %p.session_id, "optimistic append left to the locked path");
+                paths.abandoned.fetch_add(1, Ordering::Relaxed);
+                for (session_id, warm) in local {
+                    if !advanced.contains(&session_id) {
+                        states.put(warm);
+                    }
+                }
+                return Some(group);
+            }
+        }
+    }
+    if outcomes.is_empty() {
+        // Every caller gave up before its append was tried.
+        local.into_values().for_each(|w| states.put(w));
+        return None;
+    }
+    let base = match tx.commit_optimistic().await {
+        Ok(base) => base,
+        Err(OptimisticMiss::Rejected(why)) => {
+            tracing::debug!(%why, "optimistic append refused by its checks; judged again under the lock");
+            paths.abandoned.fetch_add(1, Ordering::Relaxed);
+            return Some(group);
+        }
+        Err(OptimisticMiss::Failed(e)) => {
+            // The call may or may not have committed: answered like a
+            // failed commit, never tried again behind the caller's back.
+            for p in group {
+                let _ = p.reply.send(Err(again(&e)));
+            }
+            return None;
+        }
+    };
+    if let Some(pause) = options.fault_pause_after_commit {
+        tokio::time::sleep(pause).await;
+    }
+    // Positions were reserved from 0: move them past the counter's value.
+    for (session_id, mut warm) in local {
+        let head = heads.get(&session_id).copied().unwrap_or(0);
+        for r in warm
+            .state
+            .rows
+            .iter_mut()
+            .rev()
+            .take_while(|r| r.seq > head)
+        {
+            r.position += base;
+        }
+        states.put(warm);
+    }
+    let mut replies: Vec<Option<Pending>> = group.into_iter().map(Some).collect();
+    for (i, mut outcome) in outcomes {
+        for a in &mut outcome.events {
+            a.position += base;
+        }
+        if let Some(p) = replies[i].take() {
+            let _ = p.reply.send(Ok(outcome));
+        }
+    }
+    None
 }

@@ -51,6 +51,23 @@ const FOLD_PAGE: i64 = 2_000;
 /// How many session states the write cache keeps before it starts over.
 const STATE_CACHE_SESSIONS: usize = 256;
 
+/// How many groups of appends (one commit each, see `group`) this process
+/// committed each way: a figure for operators and tests, since the
+/// optimistic path is the one that makes a PostgreSQL append one round
+/// trip (docs/design.md, "Optimistic appends on PostgreSQL").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AppendPaths {
+    /// Groups judged against the log under the write lock.
+    pub locked: u64,
+    /// Groups judged against this process's cached states and written in
+    /// one call (PostgreSQL only).
+    pub optimistic: u64,
+    /// Optimistic groups whose write found the log moved (another instance
+    /// appended) or that a judgement could not finish from the cache; each
+    /// was then judged again under the lock, and counts there too.
+    pub optimistic_abandoned: u64,
+}
+
 /// Store settings beyond the URL.
 #[derive(Clone, Debug)]
 pub struct StoreOptions {
@@ -542,6 +559,8 @@ pub struct Store {
     backend: Backend,
     options: StoreOptions,
     states: StateCache,
+    /// How this process's groups were committed.
+    paths: std::sync::Arc<group::PathCounters>,
     /// Appends waiting to be committed by the next group (`group`).
     queue: Mutex<Vec<group::Pending>>,
     /// Held by the task committing a group; whoever takes it next commits
@@ -552,32 +571,79 @@ pub struct Store {
 /// The per-session states of this process (see the module docs), shared
 /// with the group commit task.
 #[derive(Clone, Default)]
-pub(crate) struct StateCache(std::sync::Arc<Mutex<HashMap<Uuid, SessionState>>>);
+pub(crate) struct StateCache(std::sync::Arc<Mutex<HashMap<Uuid, Warm>>>);
+
+/// A cached session state and, when an append of this process left it,
+/// what that append knew under the write lock.
+pub(crate) struct Warm {
+    pub(crate) state: SessionState,
+    /// `None` when the state came from a read (or a catch-up past what this
+    /// process wrote): then nothing below is known.
+    pub(crate) known: Option<Known>,
+}
+
+/// What an append of this process left true as of its state's seq: the
+/// head's chain hash, the stored view and the session's owner. An
+/// optimistic append (PostgreSQL, `group`) judges a batch against these
+/// without reading the database, and its one write checks that the head
+/// is still that seq, so they hold or nothing is written.
+#[derive(Clone, Debug)]
+pub(crate) struct Known {
+    pub(crate) head_hash: String,
+    /// The stored view (`None`: the session has none yet).
+    pub(crate) view: Option<ViewRow>,
+    /// The owning tenant ([`DEFAULT_TENANT`] for a session created without
+    /// one), when an append had to read it.
+    pub(crate) owner: Option<String>,
+}
 
 impl StateCache {
     /// A copy of the session's state (for reads).
     fn get(&self, session_id: Uuid) -> Option<SessionState> {
-        self.0.lock().ok().and_then(|m| m.get(&session_id).cloned())
+        self.0
+            .lock()
+            .ok()
+            .and_then(|m| m.get(&session_id).map(|w| w.state.clone()))
     }
 
     /// The session's state, taken out (for an append, under the write lock).
-    pub(crate) fn take(&self, session_id: Uuid) -> Option<SessionState> {
+    pub(crate) fn take(&self, session_id: Uuid) -> Option<Warm> {
         self.0.lock().ok().and_then(|mut m| m.remove(&session_id))
+    }
+
+    /// Whether an append of this process left the session's cached state
+    /// (so an optimistic append can judge against it).
+    pub(crate) fn is_known(&self, session_id: Uuid) -> bool {
+        self.0
+            .lock()
+            .ok()
+            .is_some_and(|m| m.get(&session_id).is_some_and(|w| w.known.is_some()))
     }
 
     /// Caches a state, keeping only the calls of its effective window: the
     /// calls index holds the others, and `prefetch_calls` loads any a batch
     /// names, so validation needs no more, and a long session's cached
     /// state stays the size of its window rather than of its history.
-    pub(crate) fn put(&self, mut state: SessionState) {
-        let window_start = state.window_start;
-        state.calls.retain(|_, c| c.seq >= window_start);
+    pub(crate) fn put(&self, mut warm: Warm) {
+        let window_start = warm.state.window_start;
+        warm.state.calls.retain(|_, c| c.seq >= window_start);
         if let Ok(mut m) = self.0.lock() {
-            if m.len() >= STATE_CACHE_SESSIONS && !m.contains_key(&state.session_id) {
+            if m.len() >= STATE_CACHE_SESSIONS && !m.contains_key(&warm.state.session_id) {
                 m.clear();
             }
-            m.insert(state.session_id, state);
+            m.insert(warm.state.session_id, warm);
         }
+    }
+
+    /// Caches a state a read produced; what an append knew about the same
+    /// seq is kept (the read saw the same head), anything older dropped.
+    fn put_read(&self, state: SessionState) {
+        let known = self.0.lock().ok().and_then(|mut m| {
+            m.get_mut(&state.session_id)
+                .filter(|w| w.state.seq == state.seq)
+                .and_then(|w| w.known.take())
+        });
+        self.put(Warm { state, known });
     }
 
     fn remove(&self, session_id: Uuid) {
@@ -635,6 +701,7 @@ impl Store {
             backend,
             options,
             states: StateCache::default(),
+            paths: Default::default(),
             queue: Mutex::new(Vec::new()),
             writer: Default::default(),
         };
@@ -751,6 +818,7 @@ impl Store {
             self.backend.clone(),
             self.options.clone(),
             self.states.clone(),
+            self.paths.clone(),
             batch,
             slot,
         );
@@ -822,7 +890,7 @@ impl Store {
     }
 
     fn cache_state(&self, state: SessionState) {
-        self.states.put(state);
+        self.states.put_read(state);
     }
 
     /// The session's latest seq (0 when it has no events).
@@ -999,6 +1067,12 @@ impl Store {
         }
     }
 
+    /// How this process's appends have been committed so far (see
+    /// [`AppendPaths`]).
+    pub fn append_paths(&self) -> AppendPaths {
+        self.paths.snapshot()
+    }
+
     /// Drops every cached session state, so the next call reads the
     /// materialized view as a freshly started process would (benchmarks and
     /// tests use it to measure the cold path).
@@ -1044,7 +1118,7 @@ fn check_batch_ids(events: &[NewEvent]) -> Result<()> {
 /// was and the group's other appends go on.
 pub(crate) async fn append_in<T: LogTx>(
     tx: &mut T,
-    cached: &mut Option<SessionState>,
+    cached: &mut Option<Warm>,
     tenant: Option<&str>,
     session_id: Uuid,
     expected_seq: Option<i64>,
@@ -1075,7 +1149,7 @@ pub(crate) async fn append_in<T: LogTx>(
 #[allow(clippy::too_many_arguments)]
 async fn judge_and_write<T: LogTx>(
     tx: &mut T,
-    cached: &mut Option<SessionState>,
+    cached: &mut Option<Warm>,
     tenant: Option<&str>,
     session_id: Uuid,
     expected_seq: Option<i64>,
@@ -1086,14 +1160,18 @@ async fn judge_and_write<T: LogTx>(
     // 0. Tenant isolation: another tenant's session does not exist for
     // this caller, whatever else the batch says.
     let mut creates_for = None;
+    let mut owner = None;
     if let Some(tenant) = tenant {
         if tx.head_seq(session_id).await? > 0 {
-            let owner = tx.session_owner(session_id).await?;
-            if owner.as_deref().unwrap_or(DEFAULT_TENANT) != tenant {
+            let stored = tx.session_owner(session_id).await?;
+            let stored = stored.unwrap_or_else(|| DEFAULT_TENANT.to_owned());
+            if stored != tenant {
                 return Err(Error::SessionNotFound(session_id));
             }
+            owner = Some(stored);
         } else {
             creates_for = Some(tenant);
+            owner = Some(tenant.to_owned());
         }
     }
 
@@ -1174,9 +1252,21 @@ async fn judge_and_write<T: LogTx>(
     // 3. Catch the session state up to the head, then validate. The state
     // is taken: whatever fails from here leaves the cache without it (it
     // may hold part of the batch).
-    let state = match cached.take() {
-        Some(s) if s.seq <= head => s,
-        _ => cold_state(tx, session_id).await?,
+    // What an earlier append of this process knew holds only if nobody
+    // appended since. `stored_view`: the stored view as of the head, `None`
+    // while unknown.
+    let (state, mut stored_view) = match cached.take() {
+        Some(w) if w.state.seq <= head => {
+            let known = w.known.filter(|_| w.state.seq == head);
+            if let Some(k) = &known {
+                owner = owner.or_else(|| k.owner.clone());
+            }
+            (w.state, known.map(|k| k.view))
+        }
+        _ => {
+            let (state, view) = cold_state(tx, session_id).await?;
+            (state, Some(view))
+        }
     };
     let mut state = catch_up(tx, state, head).await?;
     prefetch_calls(tx, &mut state, events).await?;
@@ -1251,10 +1341,15 @@ async fn judge_and_write<T: LogTx>(
                 let view = state.view();
                 let before = match previous_active.take() {
                     Some(a) => a,
-                    None => match tx.load_view(session_id).await? {
-                        Some(v) => v.to_view()?.active,
-                        None => Vec::new(),
-                    },
+                    None => {
+                        if stored_view.is_none() {
+                            stored_view = Some(tx.load_view(session_id).await?);
+                        }
+                        match stored_view.as_ref().and_then(Option::as_ref) {
+                            Some(v) => v.to_view()?.active,
+                            None => Vec::new(),
+                        }
+                    }
                 };
                 changes.extend(change_rows(&stored, &before, &view.active));
                 previous_active = Some(view.active.clone());
@@ -1278,6 +1373,11 @@ async fn judge_and_write<T: LogTx>(
         c.position = first_position + (c.seq - head - 1);
     }
     let view = last_view.as_ref().map(ViewRow::from_view);
+    if view.is_none() && stored_view.is_none() {
+        // Read before the write: after it, a backend would have to send
+        // the write first.
+        stored_view = Some(tx.load_view(session_id).await?);
+    }
     tx.write_accepted(Accepted {
         session_id,
         rows: &rows,
@@ -1296,7 +1396,15 @@ async fn judge_and_write<T: LogTx>(
             position: r.position,
         })
         .collect();
-    *cached = Some(state);
+    let known = Known {
+        head_hash: prev_hash,
+        view: view.or_else(|| stored_view.flatten()),
+        owner,
+    };
+    *cached = Some(Warm {
+        state,
+        known: Some(known),
+    });
     Ok(AppendOutcome {
         events: appended,
         replayed: false,
@@ -1305,17 +1413,21 @@ async fn judge_and_write<T: LogTx>(
 
 /// The state of a session not in the cache: from its materialized view and
 /// effective window when it has one (cost: the window, not the history),
-/// else empty (the caller folds from seq 1).
-async fn cold_state<T: LogTx>(tx: &mut T, session_id: Uuid) -> Result<SessionState> {
+/// else empty (the caller folds from seq 1); and the stored view it came
+/// from.
+async fn cold_state<T: LogTx>(
+    tx: &mut T,
+    session_id: Uuid,
+) -> Result<(SessionState, Option<ViewRow>)> {
     match tx.load_view(session_id).await? {
         Some(row) => {
             let view = row.to_view()?;
             let window = tx
                 .range(session_id, view.window_start - 1, view.refresh_seq)
                 .await?;
-            Ok(SessionState::from_view(&view, &window))
+            Ok((SessionState::from_view(&view, &window), Some(row)))
         }
-        None => Ok(SessionState::empty(session_id)),
+        None => Ok((SessionState::empty(session_id), None)),
     }
 }
 
@@ -1409,7 +1521,7 @@ async fn read_state<T: LogTx>(
     };
     let state = match cached {
         Some(s) if s.seq <= target => s,
-        _ if at.is_none() => cold_state(&mut tx, session_id).await?,
+        _ if at.is_none() => cold_state(&mut tx, session_id).await?.0,
         _ => SessionState::empty(session_id),
     };
     let state = if state.seq > target {

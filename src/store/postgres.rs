@@ -185,6 +185,12 @@ impl PgBackend {
         Ok(PgTx::new(tx))
     }
 
+    /// A transaction that takes no lock and reads nothing: the group
+    /// commit's optimistic path (`group::optimistic`).
+    pub(crate) fn optimistic(&self) -> PgTx {
+        PgTx::with(PgConn::Optimistic(self.pool.clone()))
+    }
+
     /// A read transaction: one snapshot (REPEATABLE READ) for the view,
     /// window and tail; it takes no lock.
     pub(crate) async fn begin_read(&self) -> Result<PgTx> {
@@ -367,7 +373,15 @@ async fn head_seq<'e, E: sqlx::PgExecutor<'e>>(ex: E, session_id: Uuid) -> Resul
 /// so what was read ahead stays true except for this transaction's own
 /// writes, which the transaction tracks.
 pub(crate) struct PgTx {
-    tx: Transaction<'static, Postgres>,
+    conn: PgConn,
+    /// Sessions the judgement was told to assume (`assume`): their heads,
+    /// checked by the optimistic write.
+    assumed: Vec<(Uuid, i64)>,
+    /// Owners known from the cache (`assume`).
+    owners: HashMap<Uuid, String>,
+    /// Calls index keys the optimistic judgement took as absent, checked
+    /// by its write.
+    absent_calls: Vec<(Uuid, String)>,
     /// The counter's value under the lock, plus what was reserved; `None`
     /// until read.
     last: Option<i64>,
@@ -413,10 +427,41 @@ struct Buffered {
     changes: Vec<ChangeRow>,
 }
 
+/// Where a [`PgTx`] sends its statements.
+enum PgConn {
+    /// A transaction holding the counter's lock (or a read snapshot).
+    Locked(Transaction<'static, Postgres>),
+    /// No transaction: reads are answered from what `assume` was given,
+    /// and the writes go in one autocommitted call at the commit.
+    Optimistic(PgPool),
+}
+
+/// Why an optimistic group was not committed.
+pub(crate) enum OptimisticMiss {
+    /// The server refused the call (a check failed, an event id is
+    /// stored, or any error it reported): nothing was written.
+    Rejected(String),
+    /// The call may or may not have committed (the connection failed).
+    Failed(Error),
+}
+
+/// The error of a read an optimistic transaction cannot answer; never
+/// seen by a caller (the group is judged again under the lock).
+fn optimistic_miss() -> Error {
+    Error::Database("an optimistic append needed a read the cache cannot answer".to_owned())
+}
+
 impl PgTx {
     fn new(tx: Transaction<'static, Postgres>) -> PgTx {
+        PgTx::with(PgConn::Locked(tx))
+    }
+
+    fn with(conn: PgConn) -> PgTx {
         PgTx {
-            tx,
+            conn,
+            assumed: Vec::new(),
+            owners: HashMap::new(),
+            absent_calls: Vec::new(),
             last: None,
             unwritten: 0,
             heads: HashMap::new(),
@@ -427,6 +472,74 @@ impl PgTx {
             views: HashMap::new(),
             calls_asked: HashSet::new(),
             calls_found: HashMap::new(),
+        }
+    }
+
+    /// The connection for a statement of this transaction; an optimistic
+    /// one has none to give.
+    fn conn(&mut self) -> Result<&mut sqlx::PgConnection> {
+        match &mut self.conn {
+            PgConn::Locked(tx) => Ok(&mut **tx),
+            PgConn::Optimistic(_) => Err(optimistic_miss()),
+        }
+    }
+
+    fn is_optimistic(&self) -> bool {
+        matches!(self.conn, PgConn::Optimistic(_))
+    }
+
+    /// Makes an optimistic transaction judge `warm`'s session against its
+    /// cached head, hash, view and owner (the write checks the head).
+    pub(crate) fn assume(&mut self, warm: &super::Warm) {
+        let Some(known) = &warm.known else { return };
+        let session_id = warm.state.session_id;
+        self.assumed.push((session_id, warm.state.seq));
+        self.heads
+            .insert(session_id, (warm.state.seq, Some(known.head_hash.clone())));
+        self.views.insert(session_id, known.view.clone());
+        if let Some(owner) = &known.owner {
+            self.owners.insert(session_id, owner.clone());
+        }
+        if self.last.is_none() {
+            // Positions are reserved from 0 and moved past the counter by
+            // the write.
+            self.last = Some(0);
+        }
+    }
+
+    /// Sends an optimistic transaction's writes in one autocommitted call
+    /// of `session_store_append` (migration 0007); returns the counter's
+    /// value before them, by which every reserved position moves.
+    pub(crate) async fn commit_optimistic(mut self) -> std::result::Result<i64, OptimisticMiss> {
+        let PgConn::Optimistic(pool) = &self.conn else {
+            return Err(OptimisticMiss::Failed(Error::Database(
+                "commit_optimistic called on a locked transaction".to_owned(),
+            )));
+        };
+        let pool = pool.clone();
+        let b = std::mem::take(&mut self.buffered);
+        let (absent_sessions, absent_ids): (Vec<Uuid>, Vec<&str>) = self
+            .absent_calls
+            .iter()
+            .map(|(s, c)| (*s, c.as_str()))
+            .unzip();
+        let query = sqlx::query(
+            "SELECT session_store_append($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, \
+             $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, \
+             $31, $32, $33, $34, $35, $36, $37, $38)",
+        )
+        .bind(self.assumed.iter().map(|a| a.0).collect::<Vec<Uuid>>())
+        .bind(self.assumed.iter().map(|a| a.1).collect::<Vec<i64>>())
+        .bind(absent_sessions)
+        .bind(absent_ids);
+        let result = bind_writes(query, &b, self.unwritten)
+            .fetch_one(&pool)
+            .await
+            .and_then(|row| sqlx::Row::try_get::<i64, _>(&row, 0));
+        match result {
+            Ok(base) => Ok(base),
+            Err(sqlx::Error::Database(e)) => Err(OptimisticMiss::Rejected(e.message().to_owned())),
+            Err(e) => Err(OptimisticMiss::Failed(Error::from_sqlx(e))),
         }
     }
 
@@ -475,15 +588,34 @@ impl PgTx {
             return Ok(());
         }
         let b = std::mem::take(&mut self.buffered);
-        let rows = &b.rows;
-        let views: Vec<&ViewRow> = b.views.values().collect();
-        let changes = &b.changes;
-        sqlx::query(
+        let query = sqlx::query(
             "SELECT session_store_write($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, \
              $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, \
              $31, $32, $33, $34)",
-        )
-        .bind(self.unwritten)
+        );
+        bind_writes(query, &b, self.unwritten)
+            .execute(self.conn()?)
+            .await
+            .map_err(Error::from_sqlx)?;
+        self.unwritten = 0;
+        Ok(())
+    }
+}
+
+/// Binds the arguments of `session_store_write` (and the same tail of
+/// `session_store_append`): `reserved` positions to add to the counter,
+/// then the buffered rows, calls, views, owners, activation changes and
+/// wake-ups as arrays.
+fn bind_writes<'q>(
+    query: sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
+    b: &'q Buffered,
+    reserved: i64,
+) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
+    let rows = &b.rows;
+    let views: Vec<&ViewRow> = b.views.values().collect();
+    let changes = &b.changes;
+    query
+        .bind(reserved)
         .bind(rows.iter().map(|r| r.position).collect::<Vec<i64>>())
         .bind(rows.iter().map(|r| r.session_id).collect::<Vec<Uuid>>())
         .bind(rows.iter().map(|r| r.seq).collect::<Vec<i64>>())
@@ -580,12 +712,6 @@ impl PgTx {
         )
         .bind(NOTIFY_CHANNEL)
         .bind(&b.wakeups)
-        .execute(&mut *self.tx)
-        .await
-        .map_err(Error::from_sqlx)?;
-        self.unwritten = 0;
-        Ok(())
-    }
 }
 
 impl LogTx for PgTx {
@@ -593,7 +719,7 @@ impl LogTx for PgTx {
         if let Some((seq, _)) = self.heads.get(&session_id) {
             return Ok(*seq);
         }
-        head_seq(&mut *self.tx, session_id).await
+        head_seq(self.conn()?, session_id).await
     }
 
     async fn head(&mut self, session_id: Uuid) -> Result<(i64, Option<String>)> {
@@ -604,7 +730,7 @@ impl LogTx for PgTx {
             "SELECT seq, hash FROM events WHERE session_id = $1 ORDER BY seq DESC LIMIT 1",
         )
         .bind(session_id)
-        .fetch_optional(&mut *self.tx)
+        .fetch_optional(self.conn()?)
         .await
         .map_err(Error::from_sqlx)?;
         Ok(row.unwrap_or((0, None)))
@@ -615,6 +741,16 @@ impl LogTx for PgTx {
         session_id: Uuid,
         ids: &[Uuid],
     ) -> Result<(Vec<StoredEvent>, i64, Option<String>)> {
+        if self.is_optimistic() {
+            // The event ids are taken as new (the write's unique index
+            // checks it) unless this transaction wrote them.
+            return match self.heads.get(&session_id) {
+                Some((head, hash)) if !ids.iter().any(|id| self.written.contains(id)) => {
+                    Ok((Vec::new(), *head, hash.clone()))
+                }
+                _ => Err(optimistic_miss()),
+            };
+        }
         // Served from what was read ahead; read now (the same way) when it
         // was not, or when this transaction has written some of the ids.
         let read_ahead = self.heads.contains_key(&session_id)
@@ -638,6 +774,10 @@ impl LogTx for PgTx {
         ids: &[Uuid],
         calls: &[(Uuid, &str)],
     ) -> Result<()> {
+        if self.is_optimistic() {
+            // Everything it would read was assumed.
+            return Ok(());
+        }
         self.flush().await?;
         // The rows with these ids, then each session's head row (its
         // payload left out: only its seq and hash are wanted), then one row
@@ -670,7 +810,7 @@ impl LogTx for PgTx {
         .bind(sessions)
         .bind(call_sessions)
         .bind(call_ids)
-        .fetch_all(&mut *self.tx)
+        .fetch_all(self.conn()?)
         .await
         .map_err(Error::from_sqlx)?;
         for s in sessions {
@@ -758,7 +898,7 @@ impl LogTx for PgTx {
             "SELECT {COLUMNS} FROM events WHERE event_id = ANY($1)"
         ))
         .bind(ids)
-        .fetch_all(&mut *self.tx)
+        .fetch_all(self.conn()?)
         .await
         .map_err(Error::from_sqlx)?;
         rows.into_iter().map(decode).collect()
@@ -772,7 +912,7 @@ impl LogTx for PgTx {
         .bind(session_id)
         .bind(after)
         .bind(upto)
-        .fetch_all(&mut *self.tx)
+        .fetch_all(self.conn()?)
         .await
         .map_err(Error::from_sqlx)?;
         rows.into_iter().map(decode).collect()
@@ -787,7 +927,7 @@ impl LogTx for PgTx {
             None => {
                 let (last,): (i64,) =
                     sqlx::query_as("SELECT last FROM event_position WHERE id = 1")
-                        .fetch_one(&mut *self.tx)
+                        .fetch_one(self.conn()?)
                         .await
                         .map_err(Error::from_sqlx)?;
                 last
@@ -826,7 +966,7 @@ impl LogTx for PgTx {
         .bind(times)
         .bind(hashes)
         .bind(self.unwritten)
-        .execute(&mut *self.tx)
+        .execute(self.conn()?)
         .await
         .map_err(Error::from_sqlx)?;
         self.unwritten = 0;
@@ -847,7 +987,7 @@ impl LogTx for PgTx {
              FROM session_views WHERE session_id = $1",
         )
         .bind(session_id)
-        .fetch_optional(&mut *self.tx)
+        .fetch_optional(self.conn()?)
         .await
         .map_err(Error::from_sqlx)?;
         Ok(row.map(|r| ViewRow::from_columns(session_id, r)))
@@ -874,13 +1014,24 @@ impl LogTx for PgTx {
         .bind(&v.catalogs)
         .bind(&v.evidence)
         .bind(&v.active)
-        .execute(&mut *self.tx)
+        .execute(self.conn()?)
         .await
         .map_err(Error::from_sqlx)?;
         Ok(())
     }
 
     async fn calls(&mut self, session_id: Uuid, call_ids: &[String]) -> Result<Vec<CallRow>> {
+        if self.is_optimistic() {
+            // Calls this transaction did not write are taken as absent
+            // (the cached state knows the window's; any other the batch
+            // names is new or its result is refused, which the locked path
+            // judges again); the write checks they are.
+            for c in call_ids {
+                if self.calls_asked.insert((session_id, c.clone())) {
+                    self.absent_calls.push((session_id, c.clone()));
+                }
+            }
+        }
         let asked = |c: &String| self.calls_asked.contains(&(session_id, c.clone()));
         if call_ids.iter().all(asked) {
             return Ok(call_ids
@@ -895,7 +1046,7 @@ impl LogTx for PgTx {
         )
         .bind(session_id)
         .bind(call_ids)
-        .fetch_all(&mut *self.tx)
+        .fetch_all(self.conn()?)
         .await
         .map_err(Error::from_sqlx)
     }
@@ -920,7 +1071,7 @@ impl LogTx for PgTx {
         .bind(names)
         .bind(seqs)
         .bind(result_seqs)
-        .execute(&mut *self.tx)
+        .execute(self.conn()?)
         .await
         .map_err(Error::from_sqlx)?;
         Ok(())
@@ -933,7 +1084,7 @@ impl LogTx for PgTx {
              AND type IN ('prompt_submitted', 'mode_switched')",
         )
         .bind(session_id)
-        .fetch_one(&mut *self.tx)
+        .fetch_one(self.conn()?)
         .await
         .map_err(Error::from_sqlx)?;
         Ok(seq)
@@ -949,7 +1100,7 @@ impl LogTx for PgTx {
         ] {
             sqlx::query(sql)
                 .bind(session_id)
-                .execute(&mut *self.tx)
+                .execute(self.conn()?)
                 .await
                 .map_err(Error::from_sqlx)?;
         }
@@ -960,18 +1111,24 @@ impl LogTx for PgTx {
         self.flush().await?;
         let rows: Vec<(Uuid,)> =
             sqlx::query_as("SELECT DISTINCT session_id FROM events ORDER BY session_id")
-                .fetch_all(&mut *self.tx)
+                .fetch_all(self.conn()?)
                 .await
                 .map_err(Error::from_sqlx)?;
         Ok(rows.into_iter().map(|(s,)| s).collect())
     }
 
     async fn session_owner(&mut self, session_id: Uuid) -> Result<Option<String>> {
+        if self.is_optimistic() {
+            return match self.owners.get(&session_id) {
+                Some(owner) => Ok(Some(owner.clone())),
+                None => Err(optimistic_miss()),
+            };
+        }
         self.flush_for(session_id).await?;
         let row: Option<(String,)> =
             sqlx::query_as("SELECT tenant FROM session_owners WHERE session_id = $1")
                 .bind(session_id)
-                .fetch_optional(&mut *self.tx)
+                .fetch_optional(self.conn()?)
                 .await
                 .map_err(Error::from_sqlx)?;
         Ok(row.map(|(t,)| t))
@@ -982,7 +1139,7 @@ impl LogTx for PgTx {
         sqlx::query("INSERT INTO session_owners (session_id, tenant) VALUES ($1, $2)")
             .bind(session_id)
             .bind(tenant)
-            .execute(&mut *self.tx)
+            .execute(self.conn()?)
             .await
             .map_err(Error::from_sqlx)?;
         Ok(())
@@ -993,7 +1150,7 @@ impl LogTx for PgTx {
         sqlx::query("SELECT pg_notify($1, $2)")
             .bind(NOTIFY_CHANNEL)
             .bind(format!("{session_id}:{seq}"))
-            .execute(&mut *self.tx)
+            .execute(self.conn()?)
             .await
             .map_err(Error::from_sqlx)?;
         Ok(())
@@ -1013,7 +1170,7 @@ impl LogTx for PgTx {
             .bind(session_id)
             .bind(after)
             .bind(limit)
-            .fetch_all(&mut *self.tx)
+            .fetch_all(self.conn()?)
             .await
             .map_err(Error::from_sqlx)?;
         rows.into_iter()
@@ -1028,7 +1185,7 @@ impl LogTx for PgTx {
         sqlx::query("UPDATE events SET hash = $1 WHERE position = $2 AND hash IS NULL")
             .bind(hash)
             .bind(position)
-            .execute(&mut *self.tx)
+            .execute(self.conn()?)
             .await
             .map_err(Error::from_sqlx)?;
         Ok(())
@@ -1039,7 +1196,7 @@ impl LogTx for PgTx {
         let rows: Vec<(Uuid,)> =
             sqlx::query_as("SELECT session_id FROM chain_backfill ORDER BY session_id LIMIT $1")
                 .bind(limit)
-                .fetch_all(&mut *self.tx)
+                .fetch_all(self.conn()?)
                 .await
                 .map_err(Error::from_sqlx)?;
         Ok(rows.into_iter().map(|(s,)| s).collect())
@@ -1050,7 +1207,7 @@ impl LogTx for PgTx {
         let row: Option<(i32,)> =
             sqlx::query_as("SELECT 1 FROM chain_backfill WHERE session_id = $1")
                 .bind(session_id)
-                .fetch_optional(&mut *self.tx)
+                .fetch_optional(self.conn()?)
                 .await
                 .map_err(Error::from_sqlx)?;
         Ok(row.is_some())
@@ -1060,7 +1217,7 @@ impl LogTx for PgTx {
         self.flush().await?;
         sqlx::query("DELETE FROM chain_backfill WHERE session_id = $1")
             .bind(session_id)
-            .execute(&mut *self.tx)
+            .execute(self.conn()?)
             .await
             .map_err(Error::from_sqlx)?;
         Ok(())
@@ -1072,7 +1229,7 @@ impl LogTx for PgTx {
             "SELECT (SELECT COUNT(*) FROM events), (SELECT COALESCE(MAX(position), 0) FROM events), \
              (SELECT last FROM event_position WHERE id = 1)",
         )
-        .fetch_one(&mut *self.tx)
+        .fetch_one(self.conn()?)
         .await
         .map_err(Error::from_sqlx)?;
         Ok((count, max, last))
@@ -1101,7 +1258,7 @@ impl LogTx for PgTx {
         .bind(times)
         .bind(changes)
         .bind(evidence)
-        .execute(&mut *self.tx)
+        .execute(self.conn()?)
         .await
         .map_err(Error::from_sqlx)?;
         Ok(())
@@ -1114,7 +1271,7 @@ impl LogTx for PgTx {
              FROM activation_changes WHERE session_id = $1 ORDER BY seq, tool",
         )
         .bind(session_id)
-        .fetch_all(&mut *self.tx)
+        .fetch_all(self.conn()?)
         .await
         .map_err(Error::from_sqlx)?;
         Ok(rows.into_iter().map(decode_change).collect())
@@ -1125,7 +1282,7 @@ impl LogTx for PgTx {
         let rows: Vec<(Uuid,)> =
             sqlx::query_as("SELECT session_id FROM changes_backfill ORDER BY session_id LIMIT $1")
                 .bind(limit)
-                .fetch_all(&mut *self.tx)
+                .fetch_all(self.conn()?)
                 .await
                 .map_err(Error::from_sqlx)?;
         Ok(rows.into_iter().map(|(s,)| s).collect())
@@ -1135,7 +1292,7 @@ impl LogTx for PgTx {
         self.flush().await?;
         sqlx::query("DELETE FROM changes_backfill WHERE session_id = $1")
             .bind(session_id)
-            .execute(&mut *self.tx)
+            .execute(self.conn()?)
             .await
             .map_err(Error::from_sqlx)?;
         Ok(())
@@ -1146,11 +1303,14 @@ impl LogTx for PgTx {
         if self.unwritten > 0 {
             sqlx::query("UPDATE event_position SET last = last + $1 WHERE id = 1")
                 .bind(self.unwritten)
-                .execute(&mut *self.tx)
+                .execute(self.conn()?)
                 .await
                 .map_err(Error::from_sqlx)?;
         }
-        self.tx.commit().await.map_err(Error::from_sqlx)
+        match self.conn {
+            PgConn::Locked(tx) => tx.commit().await.map_err(Error::from_sqlx),
+            PgConn::Optimistic(_) => Err(optimistic_miss()),
+        }
     }
 }
 

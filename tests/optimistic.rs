@@ -1,0 +1,335 @@
+//! Optimistic appends (docs/design.md, "Optimistic appends on
+//! PostgreSQL"): once an append of this process has left a session in its
+//! cache, PostgreSQL judges the next group against the cache and writes it
+//! in one call that checks the head. Every case here must end exactly as
+//! an append judged under the lock would, on both backends (SQLite always
+//! judges under its lock); on PostgreSQL the tests also check which path
+//! was taken, so a change that quietly sends everything to the locked path
+//! (or nothing) fails.
+
+mod common;
+
+use session_store::store::query::{ChangeQuery, Scope};
+use session_store::{
+    AppendPaths, BackendKind, Error, EventBody, NewEvent, RetryPolicy, Rule, Store, ToolStatus,
+};
+use uuid::Uuid;
+
+fn started() -> NewEvent {
+    NewEvent::new(EventBody::SessionStarted {
+        mode: "agent".into(),
+        metadata: None,
+    })
+}
+
+fn catalog(tools: &[&str]) -> NewEvent {
+    NewEvent::new(EventBody::CatalogDefined {
+        mode: "agent".into(),
+        deferred_tools: tools.iter().map(|t| t.to_string()).collect(),
+    })
+}
+
+fn prompt(text: &str) -> NewEvent {
+    NewEvent::new(EventBody::PromptSubmitted { text: text.into() })
+}
+
+fn call(call_id: &str, tool: &str) -> NewEvent {
+    NewEvent::new(EventBody::ToolCall {
+        call_id: call_id.into(),
+        tool_name: tool.into(),
+        input: serde_json::json!({"q": call_id}),
+    })
+}
+
+fn result(call_id: &str, tool: &str, added: &[&str]) -> NewEvent {
+    NewEvent::new(EventBody::ToolResult {
+        call_id: call_id.into(),
+        tool_name: tool.into(),
+        status: ToolStatus::Success,
+        output: Some(serde_json::json!({"text": format!("output of {call_id}")})),
+        added_tool_names: (!added.is_empty())
+            .then(|| added.iter().map(|t| t.to_string()).collect()),
+    })
+}
+
+fn compaction(summary: &str) -> NewEvent {
+    NewEvent::new(EventBody::Compaction {
+        summary: summary.into(),
+        first_kept_event_id: None,
+        tokens_before: None,
+    })
+}
+
+/// The paths taken since `before`.
+fn since(store: &Store, before: AppendPaths) -> AppendPaths {
+    let now = store.append_paths();
+    AppendPaths {
+        locked: now.locked - before.locked,
+        optimistic: now.optimistic - before.optimistic,
+        optimistic_abandoned: now.optimistic_abandoned - before.optimistic_abandoned,
+    }
+}
+
+fn is_pg(store: &Store) -> bool {
+    store.kind() == BackendKind::Postgres
+}
+
+/// What the store answers from its cache equals what a fresh process reads
+/// from the log: state (positions included), activations; and the stored
+/// view and calls index agree with a fold of the log.
+async fn agrees_with_the_log(store: &Store, session: Uuid) {
+    let cached = store.state(session, None).await.unwrap();
+    let activations = store.activations(session, None).await.unwrap();
+    store.clear_cache();
+    let fresh = store.state(session, None).await.unwrap();
+    assert_eq!(fresh.seq, cached.seq);
+    let positions = |s: &session_store::SessionState| -> Vec<(i64, i64)> {
+        s.rows.iter().map(|r| (r.seq, r.position)).collect()
+    };
+    assert_eq!(positions(&fresh), positions(&cached));
+    assert_eq!(store.activations(session, None).await.unwrap(), activations);
+    assert_eq!(store.verify(session).await.unwrap(), None);
+    let report = store.verify_integrity(Some(session)).await.unwrap();
+    assert!(report.breaks.is_empty(), "{:?}", report.breaks);
+}
+
+// A session's whole life appended one batch at a time by one instance:
+// after the first append every group is optimistic on PostgreSQL, and the
+// answers (seqs, positions), the global order, the activation changes and
+// the cached state all agree with the log.
+both_backends!(
+    warm_appends_are_written_in_one_call_and_agree_with_the_log,
+    |url: String| async move {
+        let store = Store::open(&url).await.unwrap();
+        let other = Store::open(&url).await.unwrap();
+        let (s, elsewhere) = (Uuid::new_v4(), Uuid::new_v4());
+        let before = store.append_paths();
+        let batches = vec![
+            vec![started(), catalog(&["Deploy", "Grep"])],
+            vec![prompt("find the deploy tool")],
+            vec![call("c1", "ToolSearch")],
+            vec![result("c1", "ToolSearch", &["Deploy"]), prompt("deploy it")],
+            vec![call("c2", "Deploy"), result("c2", "Deploy", &[])],
+            vec![compaction("searched and deployed"), prompt("again")],
+            vec![call("c3", "Deploy")],
+            vec![result("c3", "Deploy", &[]), prompt("done")],
+        ];
+        let mut answered = Vec::new();
+        let mut head = 0;
+        other.append(elsewhere, 0, vec![started()]).await.unwrap();
+        for (i, batch) in batches.into_iter().enumerate() {
+            let outcome = store.append(s, head, batch).await.unwrap();
+            head = outcome.events.last().unwrap().seq;
+            answered.extend(outcome.events);
+            // Another instance takes positions in between: the optimistic
+            // write must move this one's past them.
+            if i % 3 == 1 {
+                other
+                    .append_at_head(
+                        elsewhere,
+                        vec![prompt("meanwhile")],
+                        &RetryPolicy::default(),
+                    )
+                    .await
+                    .unwrap();
+            }
+        }
+        let paths = since(&store, before);
+        if is_pg(&store) {
+            assert_eq!(paths.locked, 1, "only the first append is cold: {paths:?}");
+            assert_eq!(paths.optimistic, 7, "{paths:?}");
+            assert_eq!(paths.optimistic_abandoned, 0, "{paths:?}");
+        } else {
+            assert_eq!(paths.locked, 8);
+            assert_eq!(paths.optimistic, 0);
+        }
+
+        let feed = store.feed(0, 1000).await.unwrap();
+        let positions: Vec<i64> = feed.iter().map(|e| e.position).collect();
+        assert_eq!(positions, (1..=feed.len() as i64).collect::<Vec<_>>());
+        for a in &answered {
+            let stored = feed.iter().find(|e| e.event_id == a.event_id).unwrap();
+            assert_eq!((stored.seq, stored.position), (a.seq, a.position));
+        }
+        // Each activation change carries its event's position.
+        let changes = store
+            .audit_changes(&ChangeQuery {
+                scope: Scope {
+                    session: Some(s),
+                    limit: 100,
+                    ..Scope::default()
+                },
+                ..ChangeQuery::default()
+            })
+            .await
+            .unwrap()
+            .changes;
+        assert!(!changes.is_empty());
+        for c in &changes {
+            let event = feed.iter().find(|e| e.session_id == s && e.seq == c.seq);
+            assert_eq!(event.map(|e| e.position), Some(c.position), "{c:?}");
+        }
+        agrees_with_the_log(&store, s).await;
+        store.close().await;
+        other.close().await;
+    }
+);
+
+// Judged against the cache, these look new or wrong; the log says
+// otherwise, and the log wins: each is answered as under the lock, the
+// optimistic attempt leaves nothing behind, and the next append is
+// optimistic again.
+both_backends!(
+    what_the_cache_cannot_see_is_judged_again_under_the_lock,
+    |url: String| async move {
+        let store = Store::open(&url).await.unwrap();
+        let other = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        store
+            .append(s, 0, vec![started(), catalog(&["Deploy"])])
+            .await
+            .unwrap();
+        store
+            .append(s, 2, vec![call("c1", "ToolSearch"), prompt("p")])
+            .await
+            .unwrap();
+        // The compaction drops c1 from the window, and from the cache.
+        store
+            .append(s, 4, vec![compaction("searched")])
+            .await
+            .unwrap();
+
+        // 1. A call id used before the window: the write's check finds it.
+        let before = store.append_paths();
+        let err = store
+            .append(s, 5, vec![call("c1", "Deploy")])
+            .await
+            .expect_err("c1 is already used in this session");
+        match err {
+            Error::Invalid(v) => assert_eq!(v.rule, Rule::DuplicateCallId),
+            other => panic!("expected a duplicate call id, got {other:?}"),
+        }
+        let paths = since(&store, before);
+        if is_pg(&store) {
+            assert_eq!(
+                (paths.optimistic, paths.optimistic_abandoned, paths.locked),
+                (1, 1, 1)
+            );
+        }
+        assert_eq!(store.head_seq(s).await.unwrap(), 5);
+
+        // 2. The result of a call before the window: the cache does not know
+        // the call; the log does, and the result is accepted (§4).
+        let ok = store
+            .append(s, 5, vec![result("c1", "ToolSearch", &["Deploy"])])
+            .await
+            .unwrap();
+        assert_eq!(ok.events[0].seq, 6);
+
+        // 3. A retry of a stored batch (same event ids) at the head.
+        let batch = vec![
+            prompt("once").with_id(Uuid::new_v4()),
+            call("c2", "Deploy").with_id(Uuid::new_v4()),
+        ];
+        let first = store
+            .append_at_head(s, batch.clone(), &RetryPolicy::default())
+            .await
+            .unwrap();
+        let before = store.append_paths();
+        let again = store
+            .append_at_head(s, batch, &RetryPolicy::default())
+            .await
+            .unwrap();
+        assert!(again.replayed);
+        assert_eq!(again.events, first.events);
+        if is_pg(&store) {
+            let paths = since(&store, before);
+            assert_eq!(
+                (paths.optimistic, paths.optimistic_abandoned, paths.locked),
+                (1, 1, 1)
+            );
+        }
+
+        // 4. Another instance appended: the head the cache holds is stale.
+        store
+            .append_at_head(
+                s,
+                vec![result("c2", "Deploy", &[])],
+                &RetryPolicy::default(),
+            )
+            .await
+            .unwrap();
+        other
+            .append(s, 9, vec![prompt("from other")])
+            .await
+            .unwrap();
+        let before = store.append_paths();
+        let moved = store
+            .append_at_head(s, vec![prompt("after other")], &RetryPolicy::default())
+            .await
+            .unwrap();
+        assert_eq!(moved.events[0].seq, 11);
+        match store.append(s, 9, vec![prompt("stale")]).await {
+            Err(Error::Conflict { current, .. }) => assert_eq!(current, 11),
+            other => panic!("a stale expected seq conflicts: {other:?}"),
+        }
+        store.append(s, 11, vec![prompt("last")]).await.unwrap();
+        if is_pg(&store) {
+            // The first write found the head moved and went to the lock;
+            // the stale expected seq was refused from the cache and again
+            // under the lock; the last append was optimistic and kept.
+            let paths = since(&store, before);
+            assert_eq!(paths.optimistic, 3, "{paths:?}");
+            assert_eq!(paths.optimistic_abandoned, 2, "{paths:?}");
+            assert_eq!(paths.locked, 2, "{paths:?}");
+        }
+        assert_eq!(store.head_seq(s).await.unwrap(), 12);
+        agrees_with_the_log(&store, s).await;
+        store.close().await;
+        other.close().await;
+    }
+);
+
+// A tenant's session: the owner read under the lock is cached with the
+// state, so the tenant's next appends are optimistic, and another tenant
+// still finds no such session.
+both_backends!(
+    a_tenants_warm_session_stays_its_own,
+    |url: String| async move {
+        let store = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        store
+            .append_as(Some("acme"), s, 0, vec![started()])
+            .await
+            .unwrap();
+        let before = store.append_paths();
+        store
+            .append_as(Some("acme"), s, 1, vec![prompt("mine")])
+            .await
+            .unwrap();
+        match store
+            .append_as(Some("globex"), s, 2, vec![prompt("theirs")])
+            .await
+        {
+            Err(Error::SessionNotFound(id)) => assert_eq!(id, s),
+            other => panic!("another tenant's session does not exist: {other:?}"),
+        }
+        store
+            .append_as(Some("acme"), s, 2, vec![prompt("mine again")])
+            .await
+            .unwrap();
+        if is_pg(&store) {
+            let paths = since(&store, before);
+            // The refusal went back to the lock (which refused it too).
+            assert_eq!(paths.optimistic, 3, "{paths:?}");
+            assert_eq!(paths.optimistic_abandoned, 1, "{paths:?}");
+        }
+        assert_eq!(store.head_seq(s).await.unwrap(), 3);
+        assert_eq!(
+            store.session_owner(s).await.unwrap().as_deref(),
+            Some("acme")
+        );
+        agrees_with_the_log(&store, s).await;
+        store.close().await;
+    }
+);
