@@ -1,13 +1,20 @@
--- The optimistic append (docs/design.md, "Optimistic appends on
--- PostgreSQL"): a group of appends judged by the store against the session
--- states an earlier append of the same process left, written in one
--- autocommitted call. Under the counter's lock it checks what the
--- judgement assumed, then writes exactly as `session_store_write`, with
--- the positions (reserved from 0 by the store) moved past the counter.
--- Any failed check raises, so nothing is written and the store judges the
+-- Every write of a group commit in one call, replacing
+-- `session_store_write` (migration 0006, whose reasons hold: its
+-- statements keep their plans), now also the optimistic append
+-- (docs/design.md, "Optimistic appends on PostgreSQL").
+--
+-- Locked (`optimistic` false): the caller's transaction holds the
+-- counter's lock and the positions are final; returns 0.
+--
+-- Optimistic: one autocommitted call for a group the store judged against
+-- the session states an earlier append of the same process left. Under the
+-- counter's lock it checks what the judgement assumed, then writes, with
+-- the positions (reserved from 0 by the store) moved past the counter. Any
+-- failed check raises, so nothing is written and the store judges the
 -- group again under the lock. Returns the counter's value before the
 -- write: the store moves the positions it answers with by as much.
 CREATE FUNCTION session_store_append(
+    optimistic     BOOLEAN,
     expect_session UUID[],
     expect_seq     BIGINT[],
     absent_session UUID[],
@@ -51,40 +58,70 @@ LANGUAGE plpgsql
 SET plan_cache_mode = 'auto'
 AS $$
 DECLARE
-    base BIGINT;
+    base BIGINT := 0;
 BEGIN
-    -- The lock every append takes first; each statement below then reads
-    -- what the appends before it committed.
-    SELECT last INTO base FROM event_position WHERE id = 1 FOR UPDATE;
-    IF EXISTS (
-        SELECT 1 FROM UNNEST(expect_session, expect_seq) AS x(s, q)
-        WHERE COALESCE((SELECT e.seq FROM events e WHERE e.session_id = x.s
-                        ORDER BY e.seq DESC LIMIT 1), 0) <> x.q
-    ) THEN
-        RAISE EXCEPTION 'a session was appended to since this process last wrote it'
-            USING ERRCODE = 'SS001';
+    IF optimistic THEN
+        -- The lock every append takes first; each statement below then
+        -- reads what the appends before it committed.
+        SELECT last INTO base FROM event_position WHERE id = 1 FOR UPDATE;
+        -- Both checks look each key up by itself (a subquery per key, which
+        -- the planner cannot turn into a join): a join was planned once, as
+        -- a scan of the whole table while it was small, and kept (generic
+        -- plans).
+        IF EXISTS (
+            SELECT 1 FROM UNNEST(expect_session, expect_seq) AS x(s, q)
+            WHERE COALESCE((SELECT e.seq FROM events e WHERE e.session_id = x.s
+                            ORDER BY e.seq DESC LIMIT 1), 0) <> x.q
+        ) THEN
+            RAISE EXCEPTION 'a session was appended to since this process last wrote it'
+                USING ERRCODE = 'SS001';
+        END IF;
+        IF cardinality(absent_session) > 0 AND EXISTS (
+            SELECT 1 FROM UNNEST(absent_session, absent_call) AS a(s, id)
+            WHERE (SELECT 1 FROM calls c WHERE c.session_id = a.s AND c.call_id = a.id
+                   LIMIT 1) IS NOT NULL
+        ) THEN
+            RAISE EXCEPTION 'a call id judged new is already stored' USING ERRCODE = 'SS002';
+        END IF;
     END IF;
-    -- Both checks look each key up by itself (a subquery per key, which
-    -- the planner cannot turn into a join): a join was planned once, as a
-    -- scan of the whole table while it was small, and kept (generic plans).
-    IF cardinality(absent_session) > 0 AND EXISTS (
-        SELECT 1 FROM UNNEST(absent_session, absent_call) AS a(s, id)
-        WHERE (SELECT 1 FROM calls c WHERE c.session_id = a.s AND c.call_id = a.id
-               LIMIT 1) IS NOT NULL
-    ) THEN
-        RAISE EXCEPTION 'a call id judged new is already stored' USING ERRCODE = 'SS002';
+    IF reserved > 0 THEN
+        UPDATE event_position SET last = last + reserved WHERE id = 1;
     END IF;
-    PERFORM session_store_write(
-        reserved,
-        ARRAY(SELECT p + base FROM UNNEST(ev_position) WITH ORDINALITY AS u(p, i) ORDER BY i),
-        ev_session, ev_seq, ev_id, ev_type, ev_payload, ev_recorded_at, ev_hash,
-        c_session, c_id, c_tool, c_seq, c_result_seq,
-        v_session, v_refresh_seq, v_mode, v_window_start, v_compaction, v_summary, v_catalogs,
-        v_evidence, v_active,
-        o_session, o_tenant,
-        ARRAY(SELECT p + base FROM UNNEST(ch_position) WITH ORDINALITY AS u(p, i) ORDER BY i),
-        ch_tool, ch_session, ch_seq, ch_recorded_at, ch_change, ch_evidence,
-        channel, wakeups);
+    INSERT INTO events (position, session_id, seq, event_id, type, payload, recorded_at, hash)
+        SELECT p + base, s, q, id, t, pl, r, h
+        FROM UNNEST(ev_position, ev_session, ev_seq, ev_id, ev_type, ev_payload,
+                    ev_recorded_at, ev_hash) AS u(p, s, q, id, t, pl, r, h);
+    IF cardinality(c_session) > 0 THEN
+        INSERT INTO calls (session_id, call_id, tool_name, call_seq, result_seq)
+            SELECT * FROM UNNEST(c_session, c_id, c_tool, c_seq, c_result_seq)
+            ON CONFLICT (session_id, call_id) DO UPDATE SET result_seq = EXCLUDED.result_seq;
+    END IF;
+    IF cardinality(v_session) > 0 THEN
+        INSERT INTO session_views
+            (session_id, refresh_seq, mode, window_start, compaction_seq, summary, catalogs,
+             evidence, active)
+            SELECT * FROM UNNEST(v_session, v_refresh_seq, v_mode, v_window_start, v_compaction,
+                                 v_summary, v_catalogs, v_evidence, v_active)
+            ON CONFLICT (session_id) DO UPDATE SET refresh_seq = EXCLUDED.refresh_seq,
+                mode = EXCLUDED.mode, window_start = EXCLUDED.window_start,
+                compaction_seq = EXCLUDED.compaction_seq, summary = EXCLUDED.summary,
+                catalogs = EXCLUDED.catalogs, evidence = EXCLUDED.evidence,
+                active = EXCLUDED.active;
+    END IF;
+    IF cardinality(o_session) > 0 THEN
+        INSERT INTO session_owners (session_id, tenant)
+            SELECT * FROM UNNEST(o_session, o_tenant);
+    END IF;
+    IF cardinality(ch_position) > 0 THEN
+        INSERT INTO activation_changes
+            (position, tool, session_id, seq, recorded_at, change, evidence_seq)
+            SELECT p + base, t, s, q, r, c, e
+            FROM UNNEST(ch_position, ch_tool, ch_session, ch_seq, ch_recorded_at, ch_change,
+                        ch_evidence) AS u(p, t, s, q, r, c, e);
+    END IF;
+    PERFORM pg_notify(channel, w) FROM UNNEST(wakeups) AS w;
     RETURN base;
 END
 $$;
+
+DROP FUNCTION session_store_write;

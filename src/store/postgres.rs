@@ -523,15 +523,12 @@ impl PgTx {
             .iter()
             .map(|(s, c)| (*s, c.as_str()))
             .unzip();
-        let query = sqlx::query(
-            "SELECT session_store_append($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, \
-             $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, \
-             $31, $32, $33, $34, $35, $36, $37, $38)",
-        )
-        .bind(self.assumed.iter().map(|a| a.0).collect::<Vec<Uuid>>())
-        .bind(self.assumed.iter().map(|a| a.1).collect::<Vec<i64>>())
-        .bind(absent_sessions)
-        .bind(absent_ids);
+        let query = sqlx::query(WRITE_CALL)
+            .bind(true)
+            .bind(self.assumed.iter().map(|a| a.0).collect::<Vec<Uuid>>())
+            .bind(self.assumed.iter().map(|a| a.1).collect::<Vec<i64>>())
+            .bind(absent_sessions)
+            .bind(absent_ids);
         let result = bind_writes(query, &b, self.unwritten)
             .fetch_one(&pool)
             .await
@@ -581,18 +578,21 @@ impl PgTx {
     }
 
     /// Sends every buffered write (and the reserved positions' counter
-    /// update) in one call of `session_store_write` (migration 0006): one
-    /// round trip, and statements that are not re-planned on every call.
+    /// update) in one call of `session_store_append` (migration 0007), not
+    /// optimistic: one round trip, and statements that are not re-planned
+    /// on every call.
     async fn flush(&mut self) -> Result<()> {
         if self.buffered.sessions.is_empty() {
             return Ok(());
         }
         let b = std::mem::take(&mut self.buffered);
-        let query = sqlx::query(
-            "SELECT session_store_write($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, \
-             $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, \
-             $31, $32, $33, $34)",
-        );
+        let none: (Vec<Uuid>, Vec<i64>, Vec<Uuid>, Vec<&str>) = Default::default();
+        let query = sqlx::query(WRITE_CALL)
+            .bind(false)
+            .bind(none.0)
+            .bind(none.1)
+            .bind(none.2)
+            .bind(none.3);
         bind_writes(query, &b, self.unwritten)
             .execute(self.conn()?)
             .await
@@ -602,10 +602,15 @@ impl PgTx {
     }
 }
 
-/// Binds the arguments of `session_store_write` (and the same tail of
-/// `session_store_append`): `reserved` positions to add to the counter,
-/// then the buffered rows, calls, views, owners, activation changes and
-/// wake-ups as arrays.
+/// The call of `session_store_append` (migration 0007): whether it is
+/// optimistic and what it checks, then [`bind_writes`]'s arguments.
+const WRITE_CALL: &str = "SELECT session_store_append($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, \
+     $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, \
+     $29, $30, $31, $32, $33, $34, $35, $36, $37, $38, $39)";
+
+/// Binds the writes' arguments of `session_store_append`: `reserved`
+/// positions to add to the counter, then the buffered rows, calls, views,
+/// owners, activation changes and wake-ups as arrays.
 fn bind_writes<'q>(
     query: sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
     b: &'q Buffered,
