@@ -333,3 +333,78 @@ both_backends!(
         store.close().await;
     }
 );
+
+/// `seq_scan` of `events` and `calls` once the statistics of `inserted`
+/// events have been flushed (a backend flushes them when it exits).
+async fn seq_scans(admin: &sqlx::PgPool, inserted: i64) -> (i64, i64) {
+    for _ in 0..100 {
+        sqlx::query("SELECT pg_stat_clear_snapshot()")
+            .execute(admin)
+            .await
+            .unwrap();
+        let (ins, events, calls): (i64, i64, i64) = sqlx::query_as(
+            "SELECT e.n_tup_ins, e.seq_scan, c.seq_scan FROM pg_stat_user_tables e, \
+             pg_stat_user_tables c WHERE e.relname = 'events' AND c.relname = 'calls'",
+        )
+        .fetch_one(admin)
+        .await
+        .unwrap();
+        if ins >= inserted {
+            return (events, calls);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    panic!("the statistics of {inserted} inserted events never arrived");
+}
+
+// A new store's tables are analyzed while empty (autovacuum does it too).
+// Plans made then and kept (the write function's generic plans) must not
+// scan a table: every warm append's checks look keys up, so however many
+// appends run, the tables are not scanned. Measured with the server's
+// per-table counters, not with a clock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warm_appends_never_scan_a_table_planned_while_empty() {
+    let Some(db) = common::postgres_db() else {
+        return;
+    };
+    let store = Store::open(&db.url).await.unwrap();
+    let admin = sqlx::PgPool::connect(&db.url).await.unwrap();
+    sqlx::query("ANALYZE").execute(&admin).await.unwrap();
+    let s = Uuid::new_v4();
+    store
+        .append(s, 0, vec![started(), catalog(&["Deploy"])])
+        .await
+        .unwrap();
+    store.close().await;
+    let (events_before, calls_before) = seq_scans(&admin, 2).await;
+
+    let store = Store::open(&db.url).await.unwrap();
+    let mut head = store
+        .append_at_head(s, vec![prompt("cold")], &RetryPolicy::default())
+        .await
+        .unwrap()
+        .events[0]
+        .seq;
+    let before = store.append_paths();
+    // Enough appends for every pooled connection to switch to a generic
+    // plan (after five executions).
+    for i in 0..120 {
+        let batch = match i % 3 {
+            0 => vec![prompt(&format!("p{i}"))],
+            1 => vec![call(&format!("c{i}"), "Read")],
+            _ => vec![result(&format!("c{}", i - 1), "Read", &[])],
+        };
+        head = store.append(s, head, batch).await.unwrap().events[0].seq;
+    }
+    let paths = since(&store, before);
+    assert_eq!(paths.optimistic, 120, "{paths:?}");
+    store.close().await;
+    let (events_after, calls_after) = seq_scans(&admin, 123).await;
+    // The one cold append reads under custom plans, which may scan the
+    // tiny tables; a scan per warm append would add over a hundred.
+    assert!(
+        events_after - events_before <= 5 && calls_after - calls_before <= 5,
+        "scans of events {events_before} -> {events_after}, of calls {calls_before} -> {calls_after}"
+    );
+    admin.close().await;
+}

@@ -56,6 +56,14 @@ CREATE FUNCTION session_store_append(
 ) RETURNS BIGINT
 LANGUAGE plpgsql
 SET plan_cache_mode = 'auto'
+-- Generic plans are made once per connection, with the statistics of that
+-- moment. Costed on a table that was empty when last analyzed (a new
+-- store), the checks below were planned as scans of the whole table, kept
+-- while it grew, and appends fell to a twentieth of their rate
+-- (docs/benchmarks.md). Every read here is a lookup by key: no plan may
+-- scan a table.
+SET enable_seqscan = off
+SET enable_bitmapscan = off
 AS $$
 DECLARE
     base BIGINT := 0;
@@ -65,9 +73,7 @@ BEGIN
         -- reads what the appends before it committed.
         SELECT last INTO base FROM event_position WHERE id = 1 FOR UPDATE;
         -- Both checks look each key up by itself (a subquery per key, which
-        -- the planner cannot turn into a join): a join was planned once, as
-        -- a scan of the whole table while it was small, and kept (generic
-        -- plans).
+        -- the planner cannot turn into a join).
         IF EXISTS (
             SELECT 1 FROM UNNEST(expect_session, expect_seq) AS x(s, q)
             WHERE COALESCE((SELECT e.seq FROM events e WHERE e.session_id = x.s
