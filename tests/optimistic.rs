@@ -290,6 +290,55 @@ both_backends!(
     }
 );
 
+// A result whose call an earlier compaction summarized stays in the
+// window; a later compaction's check needs that call. The cache keeps it,
+// so that compaction is optimistic rather than refused by the write's
+// check of call ids taken as new.
+both_backends!(
+    a_compaction_after_a_result_of_a_summarized_call_stays_optimistic,
+    |url: String| async move {
+        let store = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        let batches = vec![
+            vec![started(), catalog(&["Deploy"])],
+            vec![call("c1", "ToolSearch")],
+            vec![compaction("a search is running")],
+            vec![result("c1", "ToolSearch", &["Deploy"])],
+        ];
+        let mut head = 0;
+        for batch in batches {
+            head = store
+                .append(s, head, batch)
+                .await
+                .unwrap()
+                .events
+                .last()
+                .unwrap()
+                .seq;
+        }
+        let before = store.append_paths();
+        head = store
+            .append(s, head, vec![prompt("go on")])
+            .await
+            .unwrap()
+            .events[0]
+            .seq;
+        store
+            .append(s, head, vec![compaction("found Deploy")])
+            .await
+            .unwrap();
+        if is_pg(&store) {
+            let paths = since(&store, before);
+            assert_eq!(
+                (paths.optimistic, paths.optimistic_abandoned, paths.locked),
+                (2, 0, 0)
+            );
+        }
+        agrees_with_the_log(&store, s).await;
+        store.close().await;
+    }
+);
+
 // A tenant's session: the owner read under the lock is cached with the
 // state, so the tenant's next appends are optimistic, and another tenant
 // still finds no such session.

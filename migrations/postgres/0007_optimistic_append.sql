@@ -1,4 +1,4 @@
--- Every write of a group commit in one call, replacing
+-- Every write of a group commit in one call, in place of
 -- `session_store_write` (migration 0006, whose reasons hold: its
 -- statements keep their plans), now also the optimistic append
 -- (docs/design.md, "Optimistic appends on PostgreSQL").
@@ -130,4 +130,5 @@ BEGIN
 END
 $$;
 
-DROP FUNCTION session_store_write;
+-- `session_store_write` stays: instances of the previous version, still
+-- running beside a migrated one during a rolling upgrade, call it.

@@ -620,13 +620,18 @@ impl StateCache {
             .is_some_and(|m| m.get(&session_id).is_some_and(|w| w.known.is_some()))
     }
 
-    /// Caches a state, keeping only the calls of its effective window: the
-    /// calls index holds the others, and `prefetch_calls` loads any a batch
-    /// names, so validation needs no more, and a long session's cached
-    /// state stays the size of its window rather than of its history.
+    /// Caches a state, keeping only the calls of its effective window (a
+    /// call or its result in it): the calls index holds the others, and
+    /// `prefetch_calls` loads any a batch names, so validation needs no
+    /// more, and a long session's cached state stays the size of its
+    /// window rather than of its history. A compaction's check needs the
+    /// calls of the window's results, so those stay too (else an
+    /// optimistic append would take them as absent and always fail).
     pub(crate) fn put(&self, mut warm: Warm) {
         let window_start = warm.state.window_start;
-        warm.state.calls.retain(|_, c| c.seq >= window_start);
+        warm.state.calls.retain(|_, c| {
+            c.seq >= window_start || c.result_seq.is_some_and(|r| r >= window_start)
+        });
         if let Ok(mut m) = self.0.lock() {
             if m.len() >= STATE_CACHE_SESSIONS && !m.contains_key(&warm.state.session_id) {
                 m.clear();
@@ -1060,11 +1065,16 @@ impl Store {
     /// Recomputes one session's view and calls index from the log, under
     /// the write lock, replacing what was stored.
     pub async fn rebuild(&self, session_id: Uuid) -> Result<()> {
+        // Holding the writer slot: no group of this process can put back
+        // a state (and what its append knew about the old view) meanwhile.
+        let _slot = self.writer.clone().lock_owned().await;
         self.forget(session_id);
-        match &self.backend {
+        let rebuilt = match &self.backend {
             Backend::Sqlite(b) => rebuild_in(b.begin_write().await?, session_id).await,
             Backend::Postgres(b) => rebuild_in(b.begin_write().await?, session_id).await,
-        }
+        };
+        self.forget(session_id);
+        rebuilt
     }
 
     /// How this process's appends have been committed so far (see

@@ -438,8 +438,8 @@ enum PgConn {
 
 /// Why an optimistic group was not committed.
 pub(crate) enum OptimisticMiss {
-    /// The server refused the call (a check failed, an event id is
-    /// stored, or any error it reported): nothing was written.
+    /// The call's checks refused it (a head moved, a call id or an event id
+    /// is stored): nothing was written.
     Rejected(String),
     /// The call may or may not have committed (the connection failed).
     Failed(Error),
@@ -535,7 +535,16 @@ impl PgTx {
             .and_then(|row| sqlx::Row::try_get::<i64, _>(&row, 0));
         match result {
             Ok(base) => Ok(base),
-            Err(sqlx::Error::Database(e)) => Err(OptimisticMiss::Rejected(e.message().to_owned())),
+            // Only the function's own checks and a stored event id say
+            // "judge again": each is raised before the commit, so nothing
+            // was written. Any other error, even one the server reports,
+            // may come after the commit (a pooler reports a lost server
+            // connection as an error), so it is the caller's.
+            Err(sqlx::Error::Database(e))
+                if matches!(e.code().as_deref(), Some("SS001" | "SS002" | "23505")) =>
+            {
+                Err(OptimisticMiss::Rejected(e.message().to_owned()))
+            }
             Err(e) => Err(OptimisticMiss::Failed(Error::from_sqlx(e))),
         }
     }
