@@ -13,6 +13,12 @@
 //! 4. validates each event against the session state after the batch's
 //!    earlier events (§4) and inserts the batch in one transaction.
 //!
+//! On PostgreSQL, a group of appends to sessions this process wrote last is
+//! judged against what those appends knew (`Known`) and written in one
+//! call that checks, under the lock, that nothing changed since (`group`,
+//! docs/design.md "Optimistic appends on PostgreSQL"); the steps above run
+//! again under the lock when it did.
+//!
 //! The session state used for validation is cached per session and caught up
 //! by folding only the events appended since (by this or another process), so
 //! appending to a long session does not re-read its history. An append moves
