@@ -293,6 +293,17 @@ both_backends!(every_documented_status, |url: String| async move {
         text.contains("session_store_append_conflicts_total 1"),
         "{text}"
     );
+    // Every group of the store's appends, by path, as the store counts them.
+    let paths = store.append_paths();
+    for (path, n) in [
+        ("locked", paths.locked),
+        ("optimistic", paths.optimistic),
+        ("optimistic_abandoned", paths.optimistic_abandoned),
+    ] {
+        let line = format!("session_store_append_groups_total{{path=\"{path}\"}} {n}\n");
+        assert!(text.contains(&line), "{line} in {text}");
+    }
+    assert!(paths.locked >= 1, "{paths:?}");
     assert!(
         text.contains("session_store_appended_events_total 6"),
         "{text}"

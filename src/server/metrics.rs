@@ -21,6 +21,13 @@ pub struct OutcomeLabel {
     pub outcome: String,
 }
 
+/// How a group of appends was committed (`Store::append_paths`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PathLabel {
+    /// `locked`, `optimistic`, `optimistic_abandoned`.
+    pub path: String,
+}
+
 /// The route of a request (the matched pattern, not the path).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RouteLabel {
@@ -51,6 +58,12 @@ pub struct Metrics {
     pub subscription_lag_seconds: Histogram,
     /// Open streams.
     pub streams: Gauge<i64, AtomicI64>,
+    /// Groups of appends by how they were committed, brought up to the
+    /// store's counts at each scrape (`observe_paths`).
+    pub append_groups: Family<PathLabel, Counter>,
+    /// Serializes `observe_paths`, so two scrapes cannot add one increment
+    /// twice.
+    paths_sync: Mutex<()>,
 }
 
 impl Metrics {
@@ -67,6 +80,7 @@ impl Metrics {
         let append_seconds = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
         let subscription_lag_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 16));
         let streams = Gauge::<i64, AtomicI64>::default();
+        let append_groups = Family::<PathLabel, Counter>::default();
         registry.register("appends", "Append requests by outcome", appends.clone());
         registry.register(
             "appended_events",
@@ -99,6 +113,11 @@ impl Metrics {
             subscription_lag_seconds.clone(),
         );
         registry.register("open_streams", "Open event streams", streams.clone());
+        registry.register(
+            "append_groups",
+            "Groups of appends committed, by path: locked (judged under the write lock), optimistic (PostgreSQL, one round trip), optimistic_abandoned (sent back to the lock: another instance wrote the session, or a refusal)",
+            append_groups.clone(),
+        );
         Metrics {
             registry: Mutex::new(registry),
             appends,
@@ -109,6 +128,30 @@ impl Metrics {
             append_seconds,
             subscription_lag_seconds,
             streams,
+            append_groups,
+            paths_sync: Mutex::new(()),
+        }
+    }
+
+    /// Brings `append_groups` up to the store's counts (they only grow).
+    /// Many optimistic groups abandoned means instances keep writing the
+    /// same sessions (docs/design.md, "Optimistic appends on PostgreSQL").
+    pub fn observe_paths(&self, paths: crate::store::AppendPaths) {
+        let Ok(_guard) = self.paths_sync.lock() else {
+            return;
+        };
+        for (path, count) in [
+            ("locked", paths.locked),
+            ("optimistic", paths.optimistic),
+            ("optimistic_abandoned", paths.optimistic_abandoned),
+        ] {
+            let counter = self.append_groups.get_or_create(&PathLabel {
+                path: path.to_owned(),
+            });
+            let seen = counter.get();
+            if count > seen {
+                counter.inc_by(count - seen);
+            }
         }
     }
 

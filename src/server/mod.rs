@@ -985,6 +985,10 @@ async fn readyz(State(server): State<Server>) -> Result<Json<Health>, ApiError> 
     responses((status = 200, description = "OpenMetrics text", content_type = "application/openmetrics-text", body = String))
 )]
 async fn metrics_text(State(server): State<Server>) -> Response {
+    server
+        .inner
+        .metrics
+        .observe_paths(server.inner.store.append_paths());
     (
         [(
             header::CONTENT_TYPE,
