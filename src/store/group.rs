@@ -262,11 +262,12 @@ async fn run<T: LogTx>(
 ///
 /// Returns the group untouched (no reply sent) when it must be judged
 /// under the lock instead: a session not known, a read the cache cannot
-/// answer, any rejection (the judgement is redone against the database,
-/// which has the last word), or a check of the write that failed. Nothing
-/// was written then: the call failed on the server, which rolled it back.
-/// The states the attempt took from the cache are dropped; the locked
-/// path reads them afresh.
+/// answer, any refusal (the judgement is redone against the database,
+/// which has the last word), or a check of the write that failed (raised
+/// before the commit, so nothing was written). States that an accepted
+/// append of the attempt advanced are dropped (the locked path reads
+/// them afresh); the others go back to the cache. A call that failed in
+/// any other way may have committed: its appends get the error.
 async fn optimistic(
     b: &PgBackend,
     options: &StoreOptions,
