@@ -457,3 +457,57 @@ async fn warm_appends_never_scan_a_table_planned_while_empty() {
     );
     admin.close().await;
 }
+
+// A server (or database) whose default isolation is SERIALIZABLE: a
+// write that waited for the counter's lock would fail with a
+// serialization error, since its snapshot predates the lock. The store
+// sets its own connections to READ COMMITTED, so two instances appending
+// at once see no error and lose nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn appends_do_not_depend_on_the_servers_default_isolation() {
+    let Some(db) = common::postgres_db() else {
+        return;
+    };
+    let admin = sqlx::PgPool::connect(&db.url).await.unwrap();
+    let name: (String,) = sqlx::query_as("SELECT current_database()")
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+    sqlx::query(&format!(
+        "ALTER DATABASE {} SET default_transaction_isolation = 'serializable'",
+        name.0
+    ))
+    .execute(&admin)
+    .await
+    .unwrap();
+    admin.close().await;
+    let stores = [
+        std::sync::Arc::new(Store::open(&db.url).await.unwrap()),
+        std::sync::Arc::new(Store::open(&db.url).await.unwrap()),
+    ];
+    let mut tasks = Vec::new();
+    for w in 0..8 {
+        let store = stores[w % 2].clone();
+        tasks.push(tokio::spawn(async move {
+            let s = Uuid::new_v4();
+            let mut head = store.append(s, 0, vec![started()]).await?.events[0].seq;
+            for i in 0..15 {
+                head = store
+                    .append(s, head, vec![prompt(&format!("{w}:{i}"))])
+                    .await?
+                    .events[0]
+                    .seq;
+            }
+            Ok::<i64, Error>(head)
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap().expect("no append fails"), 16);
+    }
+    let feed = stores[0].feed(0, 1000).await.unwrap();
+    let positions: Vec<i64> = feed.iter().map(|e| e.position).collect();
+    assert_eq!(positions, (1..=128).collect::<Vec<_>>());
+    for s in stores {
+        s.close().await;
+    }
+}

@@ -58,8 +58,17 @@ type CallJson = (Uuid, String, String, i64, Option<i64>);
 
 const COLUMNS: &str = "position, session_id, seq, event_id, payload, recorded_at";
 
-/// Server-side limits set on every connection (see the module docs).
-const SESSION_SETTINGS: [(&str, &str); 4] = [
+/// Server-side settings of every connection: limits (see the module docs),
+/// the isolation the write path needs and the plans the reads need.
+const SESSION_SETTINGS: [(&str, &str); 5] = [
+    // A write takes the counter's lock and then reads what the appends
+    // before it committed: each statement needs a snapshot taken after
+    // the lock, which READ COMMITTED gives. A server or database whose
+    // default is REPEATABLE READ or SERIALIZABLE would fail every write
+    // that waited for the lock with a serialization error. Read snapshots
+    // ask for REPEATABLE READ themselves. (The startup options are split
+    // at spaces; a backslash keeps this one whole.)
+    ("default_transaction_isolation", "read\\ committed"),
     ("statement_timeout", "30s"),
     ("lock_timeout", "10s"),
     ("idle_in_transaction_session_timeout", "30s"),
