@@ -66,43 +66,55 @@ SET enable_seqscan = off
 SET enable_bitmapscan = off
 AS $$
 DECLARE
-    base BIGINT := 0;
+    base  BIGINT := 0;
+    moved BOOLEAN;
+    taken BOOLEAN;
+    sent  BIGINT;
 BEGIN
+    -- Three statements in all: each one a plpgsql statement costs a
+    -- snapshot and an executor start, which for a small group were most of
+    -- the call (docs/benchmarks.md).
     IF optimistic THEN
-        -- The lock every append takes first; each statement below then
-        -- reads what the appends before it committed.
-        SELECT last INTO base FROM event_position WHERE id = 1 FOR UPDATE;
-        -- Both checks look each key up by itself (a subquery per key, which
-        -- the planner cannot turn into a join).
-        IF EXISTS (
-            SELECT 1 FROM UNNEST(expect_session, expect_seq) AS x(s, q)
-            WHERE COALESCE((SELECT e.seq FROM events e WHERE e.session_id = x.s
-                            ORDER BY e.seq DESC LIMIT 1), 0) <> x.q
-        ) THEN
+        -- The lock every append takes first (and the counter's value
+        -- before this group's positions); each statement below then reads
+        -- what the appends before it committed.
+        UPDATE event_position SET last = last + reserved WHERE id = 1
+            RETURNING last - reserved INTO base;
+        -- Each key is looked up by itself (a subquery per key, which the
+        -- planner cannot turn into a join).
+        SELECT EXISTS (
+                   SELECT 1 FROM UNNEST(expect_session, expect_seq) AS x(s, q)
+                   WHERE COALESCE((SELECT e.seq FROM events e WHERE e.session_id = x.s
+                                   ORDER BY e.seq DESC LIMIT 1), 0) <> x.q),
+               cardinality(absent_session) > 0 AND EXISTS (
+                   SELECT 1 FROM UNNEST(absent_session, absent_call) AS a(s, id)
+                   WHERE (SELECT 1 FROM calls c WHERE c.session_id = a.s AND c.call_id = a.id
+                          LIMIT 1) IS NOT NULL)
+            INTO moved, taken;
+        IF moved THEN
             RAISE EXCEPTION 'a session was appended to since this process last wrote it'
                 USING ERRCODE = 'SS001';
         END IF;
-        IF cardinality(absent_session) > 0 AND EXISTS (
-            SELECT 1 FROM UNNEST(absent_session, absent_call) AS a(s, id)
-            WHERE (SELECT 1 FROM calls c WHERE c.session_id = a.s AND c.call_id = a.id
-                   LIMIT 1) IS NOT NULL
-        ) THEN
+        IF taken THEN
             RAISE EXCEPTION 'a call id judged new is already stored' USING ERRCODE = 'SS002';
         END IF;
-    END IF;
-    IF reserved > 0 THEN
+    ELSIF reserved > 0 THEN
         UPDATE event_position SET last = last + reserved WHERE id = 1;
     END IF;
-    INSERT INTO events (position, session_id, seq, event_id, type, payload, recorded_at, hash)
-        SELECT p + base, s, q, id, t, pl, r, h
-        FROM UNNEST(ev_position, ev_session, ev_seq, ev_id, ev_type, ev_payload,
-                    ev_recorded_at, ev_hash) AS u(p, s, q, id, t, pl, r, h);
-    IF cardinality(c_session) > 0 THEN
+    -- Every write in one statement (data-modifying CTEs run to completion
+    -- whether read or not; each writes another table, and the store sends
+    -- at most one row per key of each).
+    WITH ev AS (
+        INSERT INTO events (position, session_id, seq, event_id, type, payload, recorded_at,
+                            hash)
+            SELECT p + base, s, q, id, t, pl, r, h
+            FROM UNNEST(ev_position, ev_session, ev_seq, ev_id, ev_type, ev_payload,
+                        ev_recorded_at, ev_hash) AS u(p, s, q, id, t, pl, r, h)
+    ), c AS (
         INSERT INTO calls (session_id, call_id, tool_name, call_seq, result_seq)
             SELECT * FROM UNNEST(c_session, c_id, c_tool, c_seq, c_result_seq)
-            ON CONFLICT (session_id, call_id) DO UPDATE SET result_seq = EXCLUDED.result_seq;
-    END IF;
-    IF cardinality(v_session) > 0 THEN
+            ON CONFLICT (session_id, call_id) DO UPDATE SET result_seq = EXCLUDED.result_seq
+    ), v AS (
         INSERT INTO session_views
             (session_id, refresh_seq, mode, window_start, compaction_seq, summary, catalogs,
              evidence, active)
@@ -112,20 +124,18 @@ BEGIN
                 mode = EXCLUDED.mode, window_start = EXCLUDED.window_start,
                 compaction_seq = EXCLUDED.compaction_seq, summary = EXCLUDED.summary,
                 catalogs = EXCLUDED.catalogs, evidence = EXCLUDED.evidence,
-                active = EXCLUDED.active;
-    END IF;
-    IF cardinality(o_session) > 0 THEN
+                active = EXCLUDED.active
+    ), o AS (
         INSERT INTO session_owners (session_id, tenant)
-            SELECT * FROM UNNEST(o_session, o_tenant);
-    END IF;
-    IF cardinality(ch_position) > 0 THEN
+            SELECT * FROM UNNEST(o_session, o_tenant)
+    ), ch AS (
         INSERT INTO activation_changes
             (position, tool, session_id, seq, recorded_at, change, evidence_seq)
             SELECT p + base, t, s, q, r, c, e
             FROM UNNEST(ch_position, ch_tool, ch_session, ch_seq, ch_recorded_at, ch_change,
-                        ch_evidence) AS u(p, t, s, q, r, c, e);
-    END IF;
-    PERFORM pg_notify(channel, w) FROM UNNEST(wakeups) AS w;
+                        ch_evidence) AS u(p, t, s, q, r, c, e)
+    )
+    SELECT count(pg_notify(channel, w)) INTO sent FROM UNNEST(wakeups) AS w;
     RETURN base;
 END
 $$;
