@@ -187,16 +187,7 @@ async fn run<T: LogTx>(
         let mut cached = local
             .remove(&p.session_id)
             .or_else(|| states.take(p.session_id));
-        let result = append_in(
-            &mut tx,
-            &mut cached,
-            p.tenant.as_deref(),
-            p.session_id,
-            p.expected_seq,
-            &p.events,
-            options,
-        )
-        .await;
+        let result = append_in(&mut tx, &mut cached, &p, options).await;
         if let Some(state) = cached {
             local.insert(p.session_id, state);
         }
@@ -316,16 +307,7 @@ async fn optimistic(
             continue;
         }
         let mut cached = local.remove(&p.session_id);
-        let result = append_in(
-            &mut tx,
-            &mut cached,
-            p.tenant.as_deref(),
-            p.session_id,
-            p.expected_seq,
-            &p.events,
-            options,
-        )
-        .await;
+        let result = append_in(&mut tx, &mut cached, p, options).await;
         if let Some(warm) = cached {
             local.insert(p.session_id, warm);
         }

@@ -1135,20 +1135,17 @@ fn check_batch_ids(events: &[NewEvent]) -> Result<()> {
 pub(crate) async fn append_in<T: LogTx>(
     tx: &mut T,
     cached: &mut Option<Warm>,
-    tenant: Option<&str>,
-    session_id: Uuid,
-    expected_seq: Option<i64>,
-    events: &[NewEvent],
+    p: &group::Pending,
     options: &StoreOptions,
 ) -> std::result::Result<AppendOutcome, group::Failed> {
     let mut wrote = false;
     judge_and_write(
         tx,
         cached,
-        tenant,
-        session_id,
-        expected_seq,
-        events,
+        p.tenant.as_deref(),
+        p.session_id,
+        p.expected_seq,
+        &p.events,
         options,
         &mut wrote,
     )
