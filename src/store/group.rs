@@ -266,11 +266,7 @@ async fn optimistic(
     paths: &PathCounters,
     group: Vec<Pending>,
 ) -> Option<Vec<Pending>> {
-    if options.fault_pause_before_commit.is_some()
-        || !group
-            .iter()
-            .all(|p| p.reply.is_closed() || states.is_known(p.session_id))
-    {
+    if options.fault_pause_before_commit.is_some() {
         return Some(group);
     }
     let mut tx = b.optimistic();
@@ -280,8 +276,8 @@ async fn optimistic(
         if local.contains_key(&p.session_id) {
             continue;
         }
-        // Known a moment ago, and the writer slot is held: only a read of
-        // this process can have replaced it since (with a later state).
+        // A session not in the cache, or left there by a read: nothing is
+        // known to judge against, so every state taken goes back.
         match states.take(p.session_id) {
             Some(warm) if warm.known.is_some() => {
                 tx.assume(&warm);

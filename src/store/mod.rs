@@ -617,15 +617,6 @@ impl StateCache {
         self.0.lock().ok().and_then(|mut m| m.remove(&session_id))
     }
 
-    /// Whether an append of this process left the session's cached state
-    /// (so an optimistic append can judge against it).
-    pub(crate) fn is_known(&self, session_id: Uuid) -> bool {
-        self.0
-            .lock()
-            .ok()
-            .is_some_and(|m| m.get(&session_id).is_some_and(|w| w.known.is_some()))
-    }
-
     /// Caches a state, keeping only the calls of its effective window (a
     /// call or its result in it): the calls index holds the others, and
     /// `prefetch_calls` loads any a batch names, so validation needs no
