@@ -309,9 +309,12 @@ async fn join(tasks: Vec<Counts>) -> Result<(u64, u64), Error> {
     Ok((events, appends))
 }
 
-/// The ceiling's bare table, on the store's own database.
-pub(crate) enum Raw {
+/// The ceiling's bare table, on the store's own database. Public for the
+/// probes in `examples/` that set other loops beside the ceiling.
+pub enum Raw {
+    /// On SQLite, with the store's pool and connection settings.
     Sqlite(SqlitePool),
+    /// On PostgreSQL, with the store's pool settings.
     Postgres(PgPool),
 }
 
@@ -320,7 +323,8 @@ pub(crate) enum Raw {
 const HASH: &str = "0000000000000000000000000000000000000000000000000000000000000000";
 
 impl Raw {
-    pub(crate) async fn open(kind: BackendKind, url: &str) -> Result<Raw, Error> {
+    /// Opens a pool on `url` and creates the table if it is missing.
+    pub async fn open(kind: BackendKind, url: &str) -> Result<Raw, Error> {
         match kind {
             BackendKind::Sqlite => {
                 let pool = crate::store::sqlite::pool_options()
@@ -370,7 +374,7 @@ impl Raw {
     }
 
     /// One statement inserting the batch with seqs `first_seq..`.
-    pub(crate) async fn insert(
+    pub async fn insert(
         &self,
         session: Uuid,
         first_seq: i64,
@@ -427,7 +431,8 @@ impl Raw {
         Ok(())
     }
 
-    pub(crate) async fn close(&self) {
+    /// Closes the pool.
+    pub async fn close(&self) {
         match self {
             Raw::Sqlite(p) => p.close().await,
             Raw::Postgres(p) => p.close().await,
