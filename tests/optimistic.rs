@@ -511,3 +511,99 @@ async fn appends_do_not_depend_on_the_servers_default_isolation() {
         s.close().await;
     }
 }
+
+// Migration 0008: a payload big enough for TOAST to compress (a tool
+// result of a few KB) is compressed with lz4, on both write paths (the
+// first append of a session goes under the lock, the next ones one round
+// trip), and so is the view's JSON; the bench's raw-insert ceiling stores
+// its payloads the same way, so that its ratio compares like with like.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payloads_are_compressed_with_lz4_on_postgres() {
+    let Some(db) = common::postgres_db() else {
+        return;
+    };
+    let store = Store::open(&db.url).await.unwrap();
+    let s = Uuid::new_v4();
+    // Text that compresses (TOAST keeps a value uncompressed when
+    // compressing it does not pay).
+    let output = "the same line of a tool's output, again and again\n".repeat(120);
+    let big = |call: &str| {
+        vec![
+            NewEvent::new(EventBody::ToolCall {
+                call_id: call.into(),
+                tool_name: "read_file".into(),
+                input: serde_json::json!({"path": call}),
+            }),
+            NewEvent::new(EventBody::ToolResult {
+                call_id: call.into(),
+                tool_name: "read_file".into(),
+                status: session_store::ToolStatus::Success,
+                output: Some(serde_json::json!(output)),
+                added_tool_names: None,
+            }),
+        ]
+    };
+    let mut first = vec![NewEvent::new(EventBody::SessionStarted {
+        mode: "agent".into(),
+        metadata: None,
+    })];
+    first.extend(big("c1"));
+    store.append(s, 0, first).await.unwrap();
+    store.append(s, 3, big("c2")).await.unwrap();
+    assert!(
+        store.append_paths().optimistic >= 1,
+        "{:?}",
+        store.append_paths()
+    );
+
+    let admin = sqlx::PgPool::connect(&db.url).await.unwrap();
+    let methods: Vec<(i64, Option<String>)> = sqlx::query_as(
+        "SELECT seq, pg_column_compression(payload)::text FROM events \
+         WHERE session_id = $1 AND type = 'tool_result' ORDER BY seq",
+    )
+    .bind(s)
+    .fetch_all(&admin)
+    .await
+    .unwrap();
+    assert_eq!(
+        methods,
+        vec![(3, Some("lz4".to_owned())), (5, Some("lz4".to_owned()))]
+    );
+    let view_columns: Vec<(String, String)> = sqlx::query_as(
+        "SELECT attname::text, attcompression::text FROM pg_attribute \
+         WHERE attrelid = 'session_views'::regclass \
+           AND attname IN ('summary', 'catalogs', 'evidence', 'active') ORDER BY attname",
+    )
+    .fetch_all(&admin)
+    .await
+    .unwrap();
+    assert_eq!(view_columns.len(), 4);
+    assert!(
+        view_columns.iter().all(|(_, m)| m == "l"),
+        "{view_columns:?}"
+    );
+    // Read back whole.
+    let stored = store.history(s, 0, 10).await.unwrap();
+    assert!(matches!(
+        &stored[4].body,
+        EventBody::ToolResult { output: Some(o), .. } if o.as_str() == Some(output.as_str())
+    ));
+
+    let raw = session_store::bench::append::Raw::open(
+        session_store::store::BackendKind::Postgres,
+        &db.url,
+    )
+    .await
+    .unwrap();
+    raw.insert(s, 1, &big("c3")).await.unwrap();
+    let ceiling: Vec<(Option<String>,)> = sqlx::query_as(
+        "SELECT pg_column_compression(payload)::text FROM bench_raw WHERE type = 'tool_result'",
+    )
+    .fetch_all(&admin)
+    .await
+    .unwrap();
+    assert_eq!(ceiling, vec![(Some("lz4".to_owned()),)]);
+    raw.close().await;
+    admin.close().await;
+    store.close().await;
+}
