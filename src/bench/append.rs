@@ -18,7 +18,8 @@
 //!   the store's backend, and so the same durability
 //!   (SQLite WAL with `synchronous=FULL`; PostgreSQL with `fsync` and
 //!   `synchronous_commit` on), and on PostgreSQL the payload column
-//!   compressed with the method the store's `events.payload` uses. One setting differs on PostgreSQL: the
+//!   compressed with the method the store's `events.payload` uses (lz4,
+//!   migration 0008). One setting differs on PostgreSQL: the
 //!   ceiling keeps the default plan caching, because forced custom plans
 //!   (which the store's reads need) would slow a bare `INSERT` for nothing.
 //!   It validates nothing, keeps no view and takes no store-wide lock: what
@@ -372,13 +373,16 @@ impl Raw {
                 // Payloads compressed as the store compresses them (lz4
                 // where the server has it, migration 0008): the ratio then
                 // measures the store's own work, not a faster compressor.
+                // A server older than 14 has no `attcompression` (and one
+                // method): the query fails and nothing is changed.
                 let method: Option<String> = sqlx::query_scalar(
                     "SELECT CASE attcompression WHEN 'l' THEN 'lz4' WHEN 'p' THEN 'pglz' END \
                      FROM pg_attribute WHERE attrelid = to_regclass('events') AND attname = 'payload'",
                 )
                 .fetch_optional(&pool)
                 .await
-                .map_err(Error::from_sqlx)?
+                .ok()
+                .flatten()
                 .flatten();
                 if let Some(method) = method {
                     sqlx::raw_sql(&format!(
