@@ -145,16 +145,9 @@ async fn store_run(path: &Path, mut mix: Mix, batch: usize, seconds: f64) -> Res
         head = outcome.events.last().map_or(head, |a| a.seq);
         events += batch as u64;
     }
-    let elapsed = start.elapsed().as_secs_f64();
-    let cpu = cpu_per_event(&before, &thread_cpu(), events);
-    let (pages, commits) = wal_pages(path).await?;
+    let run = measured(path, start, &before, events).await;
     store.close().await;
-    Ok(Run {
-        rate: events as f64 / elapsed,
-        cpu,
-        pages,
-        commits,
-    })
+    run
 }
 
 async fn raw_run(
@@ -177,10 +170,22 @@ async fn raw_run(
             .await?;
         events += batch as u64;
     }
-    let elapsed = start.elapsed().as_secs_f64();
-    let cpu = cpu_per_event(&before, &thread_cpu(), events);
-    let (pages, commits) = wal_pages(path).await?;
+    let run = measured(path, start, &before, events).await;
     raw.close().await;
+    run
+}
+
+/// What a loop that started at `start` with the threads' CPU at `before`
+/// measured once it wrote `events` events, its writer idle.
+async fn measured(
+    path: &Path,
+    start: Instant,
+    before: &BTreeMap<String, f64>,
+    events: u64,
+) -> Result<Run, Error> {
+    let elapsed = start.elapsed().as_secs_f64();
+    let cpu = cpu_per_event(before, &thread_cpu(), events);
+    let (pages, commits) = wal_pages(path).await?;
     Ok(Run {
         rate: events as f64 / elapsed,
         cpu,
