@@ -19,7 +19,6 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -28,7 +27,7 @@ use session_store::bench::stats::Spread;
 use session_store::bench::workload::{Mix, TextPool};
 use session_store::store::BackendKind;
 use session_store::{NewEvent, Store};
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqliteSynchronous};
+use sqlx::sqlite::SqlitePool;
 use uuid::Uuid;
 
 type Error = Box<dyn std::error::Error>;
@@ -117,18 +116,6 @@ async fn main() -> Result<(), Error> {
         }
     }
     Ok(())
-}
-
-fn options(path: &Path) -> Result<SqliteConnectOptions, Error> {
-    // The settings of the store's and the ceiling's connections
-    // (src/store/sqlite.rs, `connect_options`).
-    Ok(
-        SqliteConnectOptions::from_str(&format!("sqlite://{}", path.display()))?
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(SqliteSynchronous::Full)
-            .pragma("temp_store", "memory"),
-    )
 }
 
 async fn store_run(path: &Path, mut mix: Mix, batch: usize, seconds: f64) -> Result<Run, Error> {
@@ -262,7 +249,10 @@ async fn wal_pages(path: &Path) -> Result<(BTreeMap<String, f64>, usize), Error>
         }
         at += 24 + page_size;
     }
-    let pool = SqlitePool::connect_with(options(&copy)?).await?;
+    // The copy is in WAL mode already (the mode is kept in the file), so
+    // SQLite reads its WAL: no setting of the store's connections matters
+    // to a read.
+    let pool = SqlitePool::connect(&format!("sqlite://{}", copy.display())).await?;
     let names: BTreeMap<i64, String> = sqlx::query_as("SELECT pageno, name FROM dbstat")
         .fetch_all(&pool)
         .await?
