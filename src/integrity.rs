@@ -37,44 +37,53 @@ pub fn canonical_time(t: &DateTime<Utc>) -> String {
 /// length followed by its UTF-8 bytes. Length prefixes, rather than a
 /// separator, make the encoding unambiguous whatever the fields contain.
 pub fn encode(event: &StoredEvent, prev_hash: &str) -> Vec<u8> {
-    encode_with(event, &event.body.to_json_text(), prev_hash)
+    let payload = event.body.to_json_text();
+    let mut out = Vec::with_capacity(payload.len() + prev_hash.len() + 256);
+    encode_into(event, &payload, prev_hash, |bytes| {
+        out.extend_from_slice(bytes)
+    });
+    out
 }
 
-/// [`encode`] with the payload text already computed (`payload` must be
-/// `event.body.to_json_text()`).
-fn encode_with(event: &StoredEvent, payload: &str, prev_hash: &str) -> Vec<u8> {
-    let session = event.session_id.hyphenated().to_string();
+/// Feeds [`encode`]'s bytes to `sink` piece by piece, so the hash of an
+/// append reads the payload where it is instead of copying it into one
+/// buffer first (`payload` must be `event.body.to_json_text()`).
+fn encode_into(event: &StoredEvent, payload: &str, prev_hash: &str, mut sink: impl FnMut(&[u8])) {
+    let mut session = [0u8; uuid::fmt::Hyphenated::LENGTH];
+    let mut event_id = [0u8; uuid::fmt::Hyphenated::LENGTH];
     let seq = event.seq.to_string();
-    let event_id = event.event_id.hyphenated().to_string();
     let time = canonical_time(&event.recorded_at);
     let fields: [&str; 8] = [
         FORMAT,
-        &session,
+        event.session_id.hyphenated().encode_lower(&mut session),
         &seq,
-        &event_id,
+        event.event_id.hyphenated().encode_lower(&mut event_id),
         event.body.type_name(),
         &time,
         payload,
         prev_hash,
     ];
-    let mut out = Vec::with_capacity(fields.iter().map(|f| f.len() + 8).sum());
     for field in fields {
-        out.extend_from_slice(&(field.len() as u64).to_be_bytes());
-        out.extend_from_slice(field.as_bytes());
+        sink(&(field.len() as u64).to_be_bytes());
+        sink(field.as_bytes());
     }
-    out
 }
 
 /// The chain hash of `event` (lowercase hex sha256), given the hash of the
 /// previous event of its session (`""` for seq 1).
 pub fn event_hash(event: &StoredEvent, prev_hash: &str) -> String {
-    hex::encode(Sha256::digest(encode(event, prev_hash)))
+    event_hash_of(event, &event.body.to_json_text(), prev_hash)
 }
 
 /// [`event_hash`] for the store's append, which has the payload text at
 /// hand already (`payload` must be `event.body.to_json_text()`).
 pub fn event_hash_of(event: &StoredEvent, payload: &str, prev_hash: &str) -> String {
-    hex::encode(Sha256::digest(encode_with(event, payload, prev_hash)))
+    let mut hasher = Sha256::new();
+    encode_into(event, payload, prev_hash, |bytes| hasher.update(bytes));
+    let mut hex_digits = [0u8; 64];
+    // A 32-byte digest always fits 64 hex digits.
+    let _ = hex::encode_to_slice(hasher.finalize(), &mut hex_digits);
+    hex_digits.iter().map(|&b| b as char).collect()
 }
 
 /// What is wrong at the first broken link of a session's chain.
@@ -255,6 +264,26 @@ mod tests {
         events[2].seq = 3;
         let brk = first_break(&events, &hashes).unwrap();
         assert_eq!((brk.seq, brk.kind), (2, BreakKind::HashMismatch));
+    }
+
+    #[test]
+    fn hash_is_sha256_of_the_documented_encoding() {
+        let e = event(1, "hello");
+        assert_eq!(
+            e.body.to_json_text(),
+            r#"{"type":"prompt_submitted","text":"hello"}"#
+        );
+        // Computed outside Rust from docs/integrity.md's encoding (Python's
+        // hashlib over the length-prefixed fields), so a change of the
+        // streamed hashing that still agreed with `encode` would fail here.
+        let expected = "46fb35e7981bedaeb48d4876bcdfa591b1265663c0e574155b067f632c04e5b4";
+        assert_eq!(event_hash(&e, ""), expected);
+        assert_eq!(hex::encode(Sha256::digest(encode(&e, ""))), expected);
+        let next = event(2, "again");
+        assert_eq!(
+            event_hash_of(&next, &next.body.to_json_text(), expected),
+            hex::encode(Sha256::digest(encode(&next, expected)))
+        );
     }
 
     #[test]

@@ -148,6 +148,23 @@ impl SessionState {
 
     /// Applies one accepted event.
     pub fn apply(&mut self, event: &StoredEvent) {
+        if self.fold_in(event) {
+            self.rows.push(event.clone());
+        }
+    }
+
+    /// [`SessionState::apply`] for an event the caller no longer needs: a
+    /// transcript row is kept as it is instead of copied (an append's rows
+    /// carry outputs of a few KB).
+    pub fn apply_owned(&mut self, event: StoredEvent) {
+        if self.fold_in(&event) {
+            self.rows.push(event);
+        }
+    }
+
+    /// Everything [`SessionState::apply`] does but keeping the row; true
+    /// when the event is a transcript row of the window.
+    fn fold_in(&mut self, event: &StoredEvent) -> bool {
         self.seq = event.seq;
         if event.body.is_refresh_point() {
             self.refresh_seq = event.seq;
@@ -156,14 +173,19 @@ impl SessionState {
             EventBody::SessionStarted { mode, .. } => {
                 self.started = true;
                 self.mode = mode.clone();
+                false
             }
-            EventBody::ModeSwitched { mode } => self.mode = mode.clone(),
+            EventBody::ModeSwitched { mode } => {
+                self.mode = mode.clone();
+                false
+            }
             EventBody::CatalogDefined {
                 mode,
                 deferred_tools,
             } => {
                 self.catalogs
                     .insert(mode.clone(), (deferred_tools.clone(), event.seq));
+                false
             }
             EventBody::Compaction {
                 summary,
@@ -180,6 +202,7 @@ impl SessionState {
                     .unwrap_or(event.seq + 1);
                 self.rows.drain(..keep_from);
                 self.compaction = Some((summary.clone(), event.seq));
+                false
             }
             EventBody::ToolCall {
                 call_id, tool_name, ..
@@ -192,17 +215,15 @@ impl SessionState {
                         result_seq: None,
                     },
                 );
-                self.rows.push(event.clone());
+                true
             }
             EventBody::ToolResult { call_id, .. } => {
                 if let Some(call) = self.calls.get_mut(call_id) {
                     call.result_seq = Some(event.seq);
                 }
-                self.rows.push(event.clone());
+                true
             }
-            EventBody::PromptSubmitted { .. } | EventBody::AssistantMessage { .. } => {
-                self.rows.push(event.clone());
-            }
+            EventBody::PromptSubmitted { .. } | EventBody::AssistantMessage { .. } => true,
         }
     }
 
@@ -228,6 +249,7 @@ impl SessionState {
 
     /// The materialized view of this state (meaningful at a refresh point).
     pub fn view(&self) -> View {
+        let evidence = self.evidence();
         View {
             session_id: self.session_id,
             refresh_seq: self.seq,
@@ -235,12 +257,11 @@ impl SessionState {
             window_start: self.window_start,
             compaction: self.compaction.clone(),
             catalogs: self.catalogs.clone(),
-            evidence: self
-                .evidence()
+            active: self.admitted(&evidence),
+            evidence: evidence
                 .into_iter()
                 .map(|(n, s)| (n.to_owned(), s))
                 .collect(),
-            active: self.activation_set(),
         }
     }
 
@@ -267,13 +288,20 @@ impl SessionState {
 
     /// The deferred activation set (§7), sorted by name in byte order.
     pub fn activation_set(&self) -> Vec<Activation> {
+        self.admitted(&self.evidence())
+    }
+
+    /// The names of `evidence` that the current catalog admits: the
+    /// activation set, given the evidence (which [`SessionState::view`]
+    /// also keeps, so it folds the window once for both).
+    fn admitted(&self, evidence: &BTreeMap<&str, i64>) -> Vec<Activation> {
         let catalog: HashSet<&str> = self.current_catalog().iter().map(String::as_str).collect();
-        self.evidence()
-            .into_iter()
-            .filter(|(name, _)| catalog.contains(name))
+        evidence
+            .iter()
+            .filter(|(name, _)| catalog.contains(*name))
             .map(|(name, evidence_seq)| Activation {
-                name: name.to_owned(),
-                evidence_seq,
+                name: (*name).to_owned(),
+                evidence_seq: *evidence_seq,
             })
             .collect()
     }

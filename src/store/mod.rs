@@ -382,10 +382,30 @@ pub struct ChangeRow {
     pub evidence_seq: Option<i64>,
 }
 
+/// The refresh point an activation change is recorded at.
+pub(crate) struct ChangeAt {
+    session_id: Uuid,
+    seq: i64,
+    position: i64,
+    recorded_at: DateTime<Utc>,
+}
+
+impl ChangeAt {
+    /// Where `e` is.
+    pub(crate) fn of(e: &StoredEvent) -> ChangeAt {
+        ChangeAt {
+            session_id: e.session_id,
+            seq: e.seq,
+            position: e.position,
+            recorded_at: e.recorded_at,
+        }
+    }
+}
+
 /// The rows of `activation_changes` for one refresh point: the names of
 /// `after` not in `before` (added) and of `before` not in `after`.
 pub(crate) fn change_rows(
-    refresh: &StoredEvent,
+    refresh: &ChangeAt,
     before: &[Activation],
     after: &[Activation],
 ) -> Vec<ChangeRow> {
@@ -1285,6 +1305,9 @@ async fn judge_and_write<T: LogTx>(
     // batch has a refresh point (activation_changes are diffs against it).
     let mut previous_active: Option<Vec<Activation>> = None;
     let mut changes: Vec<ChangeRow> = Vec::new();
+    // Only the batch's last refresh point writes the view; the ones before
+    // it need just their activation sets, for the changes.
+    let last_refresh = events.iter().rposition(|e| e.body.is_refresh_point());
     for (i, e) in events.iter().enumerate() {
         let payload = e.body.to_json_text();
         if payload.len() > options.max_event_bytes {
@@ -1311,6 +1334,7 @@ async fn judge_and_write<T: LogTx>(
             body: e.body.clone(),
         };
         prev_hash = crate::integrity::event_hash_of(&stored, &payload, &prev_hash);
+        let refresh = ChangeAt::of(&stored);
         let row = PendingRow {
             position: stored.position,
             session_id,
@@ -1321,7 +1345,7 @@ async fn judge_and_write<T: LogTx>(
             recorded_at: stored.recorded_at,
             hash: prev_hash.clone(),
         };
-        state.apply(&stored);
+        state.apply_owned(stored);
         match &e.body {
             EventBody::ToolCall {
                 call_id, tool_name, ..
@@ -1342,7 +1366,11 @@ async fn judge_and_write<T: LogTx>(
                 }
             },
             body if body.is_refresh_point() => {
-                let view = state.view();
+                let view = (last_refresh == Some(i)).then(|| state.view());
+                let active = match &view {
+                    Some(v) => v.active.clone(),
+                    None => state.activation_set(),
+                };
                 let before = match previous_active.take() {
                     Some(a) => a,
                     None => {
@@ -1355,9 +1383,9 @@ async fn judge_and_write<T: LogTx>(
                         }
                     }
                 };
-                changes.extend(change_rows(&stored, &before, &view.active));
-                previous_active = Some(view.active.clone());
-                last_view = Some(view);
+                changes.extend(change_rows(&refresh, &before, &active));
+                previous_active = Some(active);
+                last_view = view.or(last_view);
             }
             _ => {}
         }
@@ -1691,7 +1719,7 @@ async fn changes_from_log<T: LogTx>(
             tracker.apply(e);
             if e.body.is_refresh_point() {
                 let now = tracker.activation_set();
-                changes.extend(change_rows(e, &before, &now));
+                changes.extend(change_rows(&ChangeAt::of(e), &before, &now));
                 before = now;
             }
         }
