@@ -369,8 +369,8 @@ pub fn parse_event_object(
                 "`recorded_at` is only accepted by import",
             ));
         }
-        Some(Value::String(s)) => Some(
-            DateTime::parse_from_rfc3339(&s)
+        Some(Value::String(s)) => {
+            let t = DateTime::parse_from_rfc3339(&s)
                 .map(|t| t.with_timezone(&Utc))
                 .map_err(|_| {
                     ValidationError::new(
@@ -378,8 +378,10 @@ pub fn parse_event_object(
                         Some("recorded_at"),
                         format!("`recorded_at` is not an RFC 3339 time: {s:?}"),
                     )
-                })?,
-        ),
+                })?;
+            crate::validate::check_recorded_at(&t)?;
+            Some(t)
+        }
         Some(other) => {
             return Err(ValidationError::new(
                 Rule::MistypedField,

@@ -1,6 +1,8 @@
 //! The rules of SEMANTICS §3–§4, pure: an event is judged against the
 //! session as it stands ([`SessionState`]) before it is applied.
 
+use chrono::{DateTime, Datelike, Utc};
+
 use crate::error::{Rule, ValidationError};
 use crate::event::EventBody;
 use crate::projector::SessionState;
@@ -46,9 +48,57 @@ fn check_non_empty(value: &str, field: &str) -> Result<(), ValidationError> {
     }
 }
 
-/// The shape rules that need no session: non-empty modes and call ids, and
-/// well-formed tool names.
+/// Refuses U+0000 in the strings the store keeps outside the payload's
+/// JSON text, which §3 allows: `mode` (the view), `call_id` (the calls
+/// index) and `summary` (the view). PostgreSQL cannot store U+0000 in a
+/// text column, so such an event, taken by SQLite, would fail a
+/// PostgreSQL commit, and with it every other append of its group.
+/// Refused here, it fails alike on both backends, alone, with the field
+/// named. Strings inside the payload's JSON (`text`, `input`, `output`,
+/// `metadata`) are stored as escaped JSON text and round-trip; tool names
+/// are refused any control character by `check_tool_name`.
+fn check_no_nul(body: &EventBody) -> Result<(), ValidationError> {
+    let (field, value) = match body {
+        EventBody::SessionStarted { mode, .. }
+        | EventBody::CatalogDefined { mode, .. }
+        | EventBody::ModeSwitched { mode } => ("mode", mode),
+        EventBody::ToolCall { call_id, .. } | EventBody::ToolResult { call_id, .. } => {
+            ("call_id", call_id)
+        }
+        EventBody::Compaction { summary, .. } => ("summary", summary),
+        EventBody::PromptSubmitted { .. } | EventBody::AssistantMessage { .. } => return Ok(()),
+    };
+    if !value.contains('\0') {
+        return Ok(());
+    }
+    Err(ValidationError::new(
+        Rule::MistypedField,
+        Some(field),
+        format!("`{field}` holds the character U+0000, which the store does not accept there"),
+    ))
+}
+
+/// A time the store can write and read back as RFC 3339 on both backends,
+/// and that an export re-imports: years 0000 to 9999 in UTC.
+pub fn check_recorded_at(t: &DateTime<Utc>) -> Result<(), ValidationError> {
+    if (0..=9999).contains(&t.year()) {
+        return Ok(());
+    }
+    Err(ValidationError::new(
+        Rule::MistypedField,
+        Some("recorded_at"),
+        format!(
+            "`recorded_at` falls in the year {} in UTC; the store keeps times of the years 0000 to 9999",
+            t.year()
+        ),
+    ))
+}
+
+/// The shape rules that need no session: non-empty modes and call ids,
+/// well-formed tool names, and no U+0000 where PostgreSQL could not store
+/// it.
 pub fn check_shape(body: &EventBody) -> Result<(), ValidationError> {
+    check_no_nul(body)?;
     match body {
         EventBody::SessionStarted { mode, .. } | EventBody::ModeSwitched { mode } => {
             check_non_empty(mode, "mode")

@@ -853,6 +853,66 @@ fn empty_call_id_is_rejected() {
     );
 }
 
+#[test]
+fn nul_in_strings_kept_outside_the_payload_is_rejected() {
+    let empty = Log::empty();
+    assert_rule(
+        &empty.reject(started("ag\u{0}ent")),
+        Rule::MistypedField,
+        Some("mode"),
+    );
+    let log = Log::start("agent");
+    for (b, field) in [
+        (switch("plan\u{0}"), "mode"),
+        (catalog("\u{0}", &["web_fetch"]), "mode"),
+        (call("c\u{0}1", "Read"), "call_id"),
+        (result("\u{0}", "Read", "success", &[]), "call_id"),
+        (compaction("sum\u{0}mary", None), "summary"),
+    ] {
+        let e = log.reject(b);
+        assert_rule(&e, Rule::MistypedField, Some(field));
+        assert!(e.to_string().contains("U+0000"), "{e}");
+    }
+    // A tool name with it stays a bad tool name (every control character).
+    assert_rule(
+        &log.reject(call("c1", "Re\u{0}ad")),
+        Rule::BadToolName,
+        Some("tool_name"),
+    );
+    // Inside the payload's JSON it is text like any other.
+    for b in [
+        prompt("a\u{0}b"),
+        assistant("\u{0}"),
+        body(
+            json!({"type": "tool_call", "call_id": "c1", "tool_name": "Read",
+                    "input": {"k\u{0}": ["\u{0}"]}}),
+        ),
+    ] {
+        check_shape(&b).unwrap_or_else(|e| panic!("{b:?}: {e}"));
+    }
+}
+
+#[test]
+fn recorded_at_outside_years_0000_to_9999_is_rejected() {
+    let line = |t: &str| {
+        format!(
+            r#"{{"session_id": "{}", "recorded_at": "{t}", "type": "prompt_submitted", "text": "x"}}"#,
+            Uuid::new_v4()
+        )
+    };
+    // 9999-12-31T23:59:59-01:00 is in the year 10000 in UTC, and
+    // 0000-01-01T00:00:00+00:01 in the year -1.
+    for t in ["9999-12-31T23:59:59-01:00", "0000-01-01T00:00:00+00:01"] {
+        let e = parse_line(&line(t), LineKind::Import, DEFAULT_MAX_EVENT_BYTES).unwrap_err();
+        assert_rule(&e, Rule::MistypedField, Some("recorded_at"));
+        assert!(e.to_string().contains("0000 to 9999"), "{e}");
+    }
+    for t in ["9999-12-31T23:59:59Z", "0000-01-01T00:00:00Z"] {
+        parse_line(&line(t), LineKind::Import, DEFAULT_MAX_EVENT_BYTES)
+            .unwrap_or_else(|e| panic!("{t}: {e}"));
+    }
+}
+
 // ---------------------------------------------------------------------------
 // §3: null handling and round trip
 // ---------------------------------------------------------------------------

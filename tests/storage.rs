@@ -587,3 +587,156 @@ both_backends!(
         }
     }
 );
+
+both_backends!(
+    nul_where_postgresql_cannot_store_it_is_refused_alone,
+    |url: String| async move {
+        // U+0000 in a call id would reach the calls index's text column:
+        // refused as invalid on both backends, before anything is written,
+        // while an append to another session committed beside it succeeds.
+        let store = std::sync::Arc::new(Store::open(&url).await.unwrap());
+        let (bad, good) = (Uuid::new_v4(), Uuid::new_v4());
+        store.append(bad, 0, vec![started()]).await.unwrap();
+        store.append(good, 0, vec![started()]).await.unwrap();
+        let (refused, accepted) = tokio::join!(
+            store.append(bad, 1, vec![call("c\u{0}1", "Read")]),
+            store.append(good, 1, vec![prompt("fine")]),
+        );
+        let err = refused.unwrap_err();
+        assert!(
+            matches!(&err, Error::Invalid(v) if v.rule == Rule::MistypedField
+                && v.field.as_deref() == Some("call_id")),
+            "{err:?}"
+        );
+        assert_eq!(accepted.unwrap().events[0].seq, 2);
+        assert_eq!(store.head_seq(bad).await.unwrap(), 1);
+        // The session stays usable: the same call with a clean id goes in.
+        store
+            .append(bad, 1, vec![call("c1", "Read")])
+            .await
+            .unwrap();
+        assert_eq!(store.verify(bad).await.unwrap(), None);
+    }
+);
+
+both_backends!(
+    recorded_at_outside_years_0000_to_9999_is_refused,
+    |url: String| async move {
+        use chrono::TimeZone;
+        let store = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        store.append(s, 0, vec![started()]).await.unwrap();
+        let late = chrono::Utc.with_ymd_and_hms(10000, 1, 1, 0, 0, 0).unwrap();
+        let mut e = prompt("from the far future");
+        e.recorded_at = Some(late);
+        let err = store.append(s, 1, vec![prompt("ok"), e]).await.unwrap_err();
+        assert!(
+            matches!(&err, Error::Invalid(v) if v.rule == Rule::MistypedField
+                && v.field.as_deref() == Some("recorded_at") && v.index == Some(1)),
+            "{err:?}"
+        );
+        assert_eq!(store.head_seq(s).await.unwrap(), 1);
+        // The last instant of 9999 is kept, and read back.
+        let last = chrono::Utc
+            .with_ymd_and_hms(9999, 12, 31, 23, 59, 59)
+            .unwrap();
+        let mut e = prompt("at the edge");
+        e.recorded_at = Some(last);
+        store.append(s, 1, vec![e]).await.unwrap();
+        let back = store.history(s, 0, 10).await.unwrap();
+        assert_eq!(back[1].recorded_at, last);
+        assert_eq!(store.context(s, None).await.unwrap().rows.len(), 1);
+    }
+);
+
+both_backends!(
+    append_at_head_retry_after_a_lost_reply_stores_the_events_once,
+    |url: String| async move {
+        // The first attempt commits but its reply is lost (as when the
+        // connection drops after COMMIT): the retry must answer from the
+        // log, not append the id-less events a second time.
+        let lost = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let options = session_store::StoreOptions {
+            fault_lose_replies: Some(lost.clone()),
+            ..Default::default()
+        };
+        let store = Store::open_with(&url, options).await.unwrap();
+        let s = Uuid::new_v4();
+        store.append(s, 0, vec![started()]).await.unwrap();
+        lost.store(1, std::sync::atomic::Ordering::SeqCst);
+        let policy = session_store::RetryPolicy {
+            max_attempts: 3,
+            initial_backoff: std::time::Duration::from_millis(5),
+            max_backoff: std::time::Duration::from_millis(10),
+        };
+        let outcome = store
+            .append_at_head(s, vec![prompt("once"), prompt("only")], &policy)
+            .await
+            .unwrap();
+        assert_eq!(lost.load(std::sync::atomic::Ordering::SeqCst), 0);
+        assert!(
+            outcome.replayed,
+            "the retry should be answered from the log"
+        );
+        let seqs: Vec<i64> = outcome.events.iter().map(|a| a.seq).collect();
+        assert_eq!(seqs, [2, 3]);
+        let texts: Vec<String> = all_events(&store, s)
+            .await
+            .iter()
+            .skip(1)
+            .map(|e| serde_json::to_string(&e.body).unwrap())
+            .collect();
+        assert_eq!(texts.len(), 2, "stored twice: {texts:?}");
+    }
+);
+
+both_backends!(
+    audit_changes_refuse_a_tool_filter_with_a_control_character,
+    |url: String| async move {
+        use session_store::store::query::{ChangeQuery, Scope};
+        let store = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        store
+            .append(s, 0, vec![started(), catalog(&["web_fetch"]), prompt("hi")])
+            .await
+            .unwrap();
+        let scope = Scope {
+            limit: 10,
+            ..Scope::default()
+        };
+        for (q, field) in [
+            (
+                ChangeQuery {
+                    scope: scope.clone(),
+                    tool: Some("web\u{0}fetch".into()),
+                    ..ChangeQuery::default()
+                },
+                "tool",
+            ),
+            (
+                ChangeQuery {
+                    scope: scope.clone(),
+                    after: Some("3:web\u{0}fetch".into()),
+                    ..ChangeQuery::default()
+                },
+                "after",
+            ),
+        ] {
+            let err = store.audit_changes(&q).await.unwrap_err();
+            assert!(
+                matches!(&err, Error::Invalid(v) if v.field.as_deref() == Some(field)),
+                "{field}: {err:?}"
+            );
+        }
+        // A clean filter still answers.
+        let page = store
+            .audit_changes(&ChangeQuery {
+                scope,
+                tool: Some("web_fetch".into()),
+                ..ChangeQuery::default()
+            })
+            .await
+            .unwrap();
+        assert!(page.changes.is_empty());
+    }
+);

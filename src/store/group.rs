@@ -102,6 +102,22 @@ fn again(e: &Error) -> Error {
     }
 }
 
+/// The reply to a committed append: its outcome, unless a test asked for
+/// the reply to be lost (`StoreOptions::fault_lose_replies`), as when the
+/// connection drops between the commit and its acknowledgement.
+fn reply_after_commit(options: &StoreOptions, outcome: AppendOutcome) -> Result<AppendOutcome> {
+    let lose = options.fault_lose_replies.as_ref().is_some_and(|left| {
+        left.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+    });
+    match lose {
+        true => Err(Error::Unavailable(
+            "the reply of this committed append was lost (fault injection)".to_owned(),
+        )),
+        false => Ok(outcome),
+    }
+}
+
 /// Commits `group` and replies to each append; releases the writer slot
 /// when done.
 pub(crate) async fn commit_group(
@@ -154,7 +170,11 @@ async fn run<T: LogTx>(
         }
         ids.extend(p.events.iter().filter_map(|e| e.event_id));
         calls.extend(p.events.iter().filter_map(|e| match &e.body {
-            EventBody::ToolCall { call_id, .. } | EventBody::ToolResult { call_id, .. } => {
+            // Not a call id holding U+0000: never stored (validation
+            // refuses it), and PostgreSQL would fail the read on it.
+            EventBody::ToolCall { call_id, .. } | EventBody::ToolResult { call_id, .. }
+                if !call_id.contains('\0') =>
+            {
                 Some((p.session_id, call_id.as_str()))
             }
             _ => None,
@@ -230,7 +250,7 @@ async fn run<T: LogTx>(
                 states.put(state);
             }
             for (reply, outcome) in accepted {
-                let _ = reply.send(Ok(outcome));
+                let _ = reply.send(reply_after_commit(options, outcome));
             }
         }
         Err(e) => {
@@ -371,7 +391,7 @@ async fn optimistic(
             a.position += base;
         }
         if let Some(p) = replies[i].take() {
-            let _ = p.reply.send(Ok(outcome));
+            let _ = p.reply.send(reply_after_commit(options, outcome));
         }
     }
     None

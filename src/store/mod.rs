@@ -49,7 +49,7 @@ use uuid::Uuid;
 use crate::error::{Error, Result, Rule, ValidationError};
 use crate::event::{EventBody, NewEvent, StoredEvent};
 use crate::projector::{Activation, Activations, Context, SessionState, View};
-use crate::validate::{check_event, DEFAULT_MAX_EVENT_BYTES};
+use crate::validate::{check_event, check_recorded_at, DEFAULT_MAX_EVENT_BYTES};
 
 /// How many events one read fetches when folding a log.
 const FOLD_PAGE: i64 = 2_000;
@@ -90,6 +90,11 @@ pub struct StoreOptions {
     /// before the append returns (a reply that may be lost).
     #[doc(hidden)]
     pub fault_pause_after_commit: Option<std::time::Duration>,
+    /// Fault injection for tests: this many committed appends are answered
+    /// with [`Error::Unavailable`] instead of their outcome (a reply lost
+    /// after the commit), then the count stops at 0.
+    #[doc(hidden)]
+    pub fault_lose_replies: Option<std::sync::Arc<std::sync::atomic::AtomicUsize>>,
 }
 
 impl Default for StoreOptions {
@@ -99,6 +104,7 @@ impl Default for StoreOptions {
             connect_timeout_secs: 5,
             fault_pause_before_commit: None,
             fault_pause_after_commit: None,
+            fault_lose_replies: None,
         }
     }
 }
@@ -863,14 +869,26 @@ impl Store {
     /// validated against the session as it then stands. On unavailable
     /// storage it waits and tries again, with exponential backoff and
     /// jitter, up to `policy.max_attempts`; then [`Error::RetriesExhausted`].
-    /// Give the events ids: a retry after a lost reply then answers
-    /// idempotently instead of appending twice.
+    /// Events without an id get one before the first attempt, so that a
+    /// retry after a commit whose reply was lost answers idempotently
+    /// instead of appending twice; give them ids yourself to make your own
+    /// retries of this call safe too.
     pub async fn append_at_head(
         &self,
         session_id: Uuid,
         events: Vec<NewEvent>,
         policy: &RetryPolicy,
     ) -> Result<AppendOutcome> {
+        // Every event gets its id before the first attempt: an attempt whose
+        // commit went through unseen (its reply lost with the connection)
+        // is then answered idempotently by the retry, not appended twice.
+        let events: Vec<NewEvent> = events
+            .into_iter()
+            .map(|mut e| {
+                e.event_id.get_or_insert_with(Uuid::now_v7);
+                e
+            })
+            .collect();
         let mut backoff = policy.initial_backoff;
         let mut attempts = 0;
         loop {
@@ -1323,6 +1341,9 @@ async fn judge_and_write<T: LogTx>(
             .at_index(i)
             .into());
         }
+        if let Some(t) = &e.recorded_at {
+            check_recorded_at(t).map_err(|err| err.at_index(i))?;
+        }
         check_event(&state, &e.body).map_err(|err| err.at_index(i))?;
         let stored = StoredEvent {
             session_id,
@@ -1494,8 +1515,10 @@ async fn prefetch_calls<T: LogTx>(
     events: &[NewEvent],
 ) -> Result<()> {
     let mut wanted: Vec<String> = Vec::new();
+    // A call id holding U+0000 is never stored (validation refuses it),
+    // and PostgreSQL would fail the read, with the group, on it.
     let mut add = |id: &String, state: &SessionState| {
-        if !state.calls.contains_key(id) && !wanted.contains(id) {
+        if !id.contains('\0') && !state.calls.contains_key(id) && !wanted.contains(id) {
             wanted.push(id.clone());
         }
     };

@@ -460,11 +460,21 @@ impl Store {
                 ));
             }
         }
+        // No tool name holds a control character (§3), so no row could
+        // match one; PostgreSQL would also refuse U+0000 in the parameter.
+        let control = |s: &str| s.chars().any(|c| c <= '\u{1f}' || c == '\u{7f}');
+        if let Some(tool) = q.tool.as_deref().filter(|t| control(t)) {
+            return Err(bad(
+                "tool",
+                format!("{tool:?} holds a control character, which no tool name does"),
+            ));
+        }
         let after = match &q.after {
             None => None,
             Some(cursor) => Some(
                 cursor
                     .split_once(':')
+                    .filter(|(_, t)| !control(t))
                     .and_then(|(p, t)| Some((p.parse::<i64>().ok()?, t.to_owned())))
                     .ok_or_else(|| {
                         bad(
