@@ -644,8 +644,8 @@ async fn run_on(
             format: ImportFormat::Jsonl,
             file,
         } => {
-            let lines = read_lines(file.as_ref())?;
-            let summary = import(store, &lines, max_bytes).await?;
+            let lines = InputLines::open(file.as_ref(), max_bytes)?;
+            let summary = import(store, lines, max_bytes).await?;
             writeln!(
                 out,
                 "imported {} into {} ({} already stored)",
@@ -1170,6 +1170,114 @@ fn read_lines(file: Option<&PathBuf>) -> Result<Vec<(usize, String)>, CliError> 
     Ok(lines)
 }
 
+/// The input's non-blank lines, read one at a time, so that `import`
+/// holds one batch of the input, never all of it: a producer piped into
+/// `import` has its lines stored as they come, and a huge input costs no
+/// more memory than a small one. A line is read up to `limit` bytes: a
+/// longer one is refused (as `parse_line` would refuse it) without being
+/// held whole.
+pub struct InputLines {
+    reader: Box<dyn BufRead>,
+    number: usize,
+    limit: usize,
+    buf: Vec<u8>,
+    done: bool,
+}
+
+impl InputLines {
+    /// The lines of `file`, or of standard input.
+    pub fn open(file: Option<&PathBuf>, limit: usize) -> Result<InputLines, CliError> {
+        let reader: Box<dyn BufRead> = match file {
+            Some(path) => Box::new(std::io::BufReader::new(
+                std::fs::File::open(path)
+                    .map_err(|e| CliError::Io(format!("cannot read {}: {e}", path.display())))?,
+            )),
+            None => Box::new(std::io::BufReader::new(std::io::stdin())),
+        };
+        Ok(InputLines::new(reader, limit))
+    }
+
+    /// The lines of `reader`.
+    pub fn new(reader: Box<dyn BufRead>, limit: usize) -> InputLines {
+        InputLines {
+            reader,
+            number: 0,
+            limit,
+            buf: Vec::new(),
+            done: false,
+        }
+    }
+
+    fn read_one(&mut self) -> Result<Option<(usize, String)>, CliError> {
+        loop {
+            self.buf.clear();
+            self.number += 1;
+            let line = self.number;
+            // One byte past the limit and the newline: enough to know the
+            // line is too long without reading the rest of it.
+            let cap = self.limit as u64 + 2;
+            let read = <&mut Box<dyn BufRead> as std::io::Read>::take(&mut self.reader, cap)
+                .read_until(b'\n', &mut self.buf)
+                .map_err(|e| CliError::Io(format!("cannot read line {line} of the input: {e}")))?;
+            if read == 0 {
+                return Ok(None);
+            }
+            if self.buf.last() == Some(&b'\n') {
+                self.buf.pop();
+                if self.buf.last() == Some(&b'\r') {
+                    self.buf.pop();
+                }
+            }
+            if self.buf.len() > self.limit {
+                return Err(CliError::Line {
+                    line,
+                    error: ValidationError::new(
+                        Rule::TooLarge,
+                        None,
+                        format!(
+                            "the line is over the limit of {} bytes of JSON per event",
+                            self.limit
+                        ),
+                    ),
+                });
+            }
+            let text = match std::str::from_utf8(&self.buf) {
+                Ok(text) => text,
+                Err(e) => {
+                    return Err(CliError::Line {
+                        line,
+                        error: ValidationError::new(
+                            Rule::MalformedJson,
+                            None,
+                            format!(
+                                "the line is not UTF-8 text (byte {} is not valid UTF-8)",
+                                e.valid_up_to() + 1
+                            ),
+                        ),
+                    })
+                }
+            };
+            if !text.trim().is_empty() {
+                return Ok(Some((line, text.to_owned())));
+            }
+        }
+    }
+}
+
+impl Iterator for InputLines {
+    type Item = Result<(usize, String), CliError>;
+
+    /// The next non-blank line, numbered from 1; after an error, nothing.
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.done {
+            return None;
+        }
+        let next = self.read_one().transpose();
+        self.done = !matches!(next, Some(Ok(_)));
+        next
+    }
+}
+
 /// Turns a batch-indexed validation error into one that names the line.
 fn at_line(e: Error, line_numbers: &[usize]) -> CliError {
     match e {
@@ -1196,20 +1304,25 @@ pub struct ImportSummary {
 }
 
 /// Imports JSON lines (SEMANTICS §9): each event at its session's current
-/// seq, consecutive lines of one session batched; a bad line stops the
-/// import with the lines before it stored and nothing of it.
+/// seq, consecutive lines of one session batched; a bad line (or a line
+/// that cannot be read) stops the import with the lines before it stored
+/// and nothing of it. `lines` is consumed as it goes ([`InputLines`]).
 pub async fn import(
     store: &Store,
-    lines: &[(usize, String)],
+    lines: impl IntoIterator<Item = Result<(usize, String), CliError>>,
     max_bytes: usize,
 ) -> Result<ImportSummary, CliError> {
     let mut summary = ImportSummary::default();
     let mut sessions: HashSet<Uuid> = HashSet::new();
     let mut batch: Vec<(usize, NewEvent)> = Vec::new();
     let mut batch_session = None;
-    for (n, text) in lines {
-        let parsed = parse_line(text, LineKind::Import, max_bytes);
-        let ParsedLine { session_id, event } = match parsed {
+    for line in lines {
+        let parsed = line.and_then(|(n, text)| {
+            parse_line(&text, LineKind::Import, max_bytes)
+                .map(|p| (n, p))
+                .map_err(|error| CliError::Line { line: n, error })
+        });
+        let (n, ParsedLine { session_id, event }) = match parsed {
             Ok(p) => p,
             Err(error) => {
                 if let Some(s) = batch_session.take() {
@@ -1222,7 +1335,7 @@ pub async fn import(
                     )
                     .await?;
                 }
-                return Err(CliError::Line { line: *n, error });
+                return Err(error);
             }
         };
         let session = session_id.unwrap_or_default();
@@ -1245,7 +1358,7 @@ pub async fn import(
             }
             batch_session = Some(session);
         }
-        batch.push((*n, event));
+        batch.push((n, event));
     }
     if let Some(s) = batch_session {
         flush(store, s, batch, &mut sessions, &mut summary).await?;

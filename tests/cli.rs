@@ -658,3 +658,96 @@ fn import_treats_a_repeated_line_as_its_own_append() {
         );
     }
 }
+
+#[test]
+fn import_keeps_the_lines_before_an_unreadable_or_oversized_line() {
+    let db = common::sqlite_db();
+    // Line 9 is not UTF-8: the seven lines before it are stored.
+    let mut input = format!("{}\n\n", base_log()).into_bytes();
+    input.extend_from_slice(b"{\"type\":\"prompt_submitted\",\"text\":\"\xff\"}\n");
+    input.extend_from_slice(
+        with_session(r#"{"type":"prompt_submitted","text":"never"}"#).as_bytes(),
+    );
+    let mut child = Command::new(BIN)
+        .args(["--database", &db.url, "import"])
+        .env_remove("DATABASE_URL")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(&input).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(err.contains("line 9") && err.contains("not UTF-8"), "{err}");
+    let history = stdout(&run(&db.url, &["history", S, "--json"], None));
+    assert_eq!(history.lines().count(), 7);
+    // A line over the event limit is refused without being held whole, the
+    // lines before it kept.
+    let long = with_session(&format!(
+        r#"{{"type":"prompt_submitted","text":"{}"}}"#,
+        "x".repeat(5_000)
+    ));
+    let input = format!(
+        "{}\n{long}\n",
+        with_session(r#"{"type":"prompt_submitted","text":"three"}"#)
+    );
+    let out = run(
+        &db.url,
+        &["--max-event-bytes", "1000", "import"],
+        Some(&input),
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("line 2") && err.contains("over the limit of 1000"),
+        "{err}"
+    );
+    let history = stdout(&run(&db.url, &["history", S, "--json"], None));
+    assert_eq!(history.lines().count(), 8);
+}
+
+#[test]
+fn import_stores_a_producers_lines_as_they_come() {
+    // A producer that has written 600 lines and is still running: the
+    // first batch (500 lines) must be stored before its input ends.
+    let db = common::sqlite_db();
+    let mut child = Command::new(BIN)
+        .args(["--database", &db.url, "import"])
+        .env_remove("DATABASE_URL")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut lines = vec![with_session(r#"{"type":"session_started","mode":"agent"}"#)];
+    for i in 1..600 {
+        lines.push(with_session(&format!(
+            r#"{{"type":"prompt_submitted","text":"p{i}"}}"#
+        )));
+    }
+    stdin
+        .write_all(format!("{}\n", lines.join("\n")).as_bytes())
+        .unwrap();
+    stdin.flush().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let stored = loop {
+        let out = run(&db.url, &["history", S, "--json"], None);
+        let n = stdout(&out).lines().count();
+        if n >= 500 || Instant::now() > deadline {
+            break n;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(
+        stored >= 500,
+        "only {stored} lines stored while the input was open"
+    );
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let history = stdout(&run(&db.url, &["history", S, "--json"], None));
+    assert_eq!(history.lines().count(), 600);
+}
