@@ -410,6 +410,7 @@ fn store_exit_code(e: &Error) -> i32 {
         Error::Unavailable(_) | Error::Database(_) | Error::Corrupt(_) => 4,
         Error::BadUrl(_) => 2,
         Error::Invalid(_)
+        | Error::NotAStore(_)
         | Error::SessionNotFound(_)
         | Error::SeqOutOfRange { .. }
         | Error::PromptOutOfRange { .. } => 1,
@@ -431,6 +432,12 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
     let options = StoreOptions {
         max_event_bytes: cli.max_event_bytes,
         fault_pause_after_commit: pause_after_commit,
+        // Only the commands that write make a new SQLite file; the others
+        // say that there is no store at a mistyped path.
+        create_if_missing: matches!(
+            cli.command,
+            Command::Migrate | Command::Import { .. } | Command::Append { .. } | Command::Serve(_)
+        ),
         ..StoreOptions::default()
     };
     match cli.command {

@@ -187,6 +187,11 @@ pub enum Error {
     /// The database URL is not one the store understands.
     #[error("unsupported database URL {0:?}: use a file path, sqlite://PATH or postgres://…")]
     BadUrl(String),
+    /// `--database` names no session store: a SQLite file that does not
+    /// exist (for a command that only reads), or a database of something
+    /// else, which the store refuses to change.
+    #[error("{0}")]
+    NotAStore(String),
     /// The database could not be reached or answered with an I/O failure.
     #[error("storage unavailable: {0}")]
     Unavailable(String),

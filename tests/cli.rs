@@ -403,6 +403,7 @@ fn append_prints_seqs_and_a_conflict_exits_3() {
 #[test]
 fn not_found_out_of_range_and_usage_have_their_exit_codes() {
     for (backend, db) in backends() {
+        assert!(run(&db.url, &["migrate"], None).status.success());
         let out = run(&db.url, &["activations", S, "--json"], None);
         assert_eq!(out.status.code(), Some(1), "{backend}");
         assert!(stderr(&out).contains("not found"), "{}", stderr(&out));
@@ -445,8 +446,21 @@ fn unreachable_storage_exits_4_within_seconds() {
         "{}",
         stderr(&out)
     );
-    let out = run("/nonexistent-dir/x/store.db", &["activations", S], None);
+    // A file that cannot be created: storage unavailable for a command
+    // that writes, no store there for one that reads.
+    let out = run(
+        "/nonexistent-dir/x/store.db",
+        &["import"],
+        Some(&base_log()),
+    );
     assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
+    let out = run("/nonexistent-dir/x/store.db", &["activations", S], None);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("there is no session store at"),
+        "{}",
+        stderr(&out)
+    );
 }
 
 use common::raw_sql as tamper;
@@ -750,4 +764,88 @@ fn import_stores_a_producers_lines_as_they_come() {
     assert!(out.status.success(), "{}", stderr(&out));
     let history = stdout(&run(&db.url, &["history", S, "--json"], None));
     assert_eq!(history.lines().count(), 600);
+}
+
+#[test]
+fn a_path_that_holds_no_session_store_is_refused_and_left_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = |name: &str| dir.path().join(name).display().to_string();
+    let session = "00000000-0000-4000-8000-000000000001";
+    // A read command at a mistyped path creates nothing.
+    let typo = path("typo.db");
+    let out = run(&typo, &["history", session], None);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("there is no session store at"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!std::path::Path::new(&typo).exists(), "typo.db was created");
+    // Another application's SQLite database is neither migrated nor
+    // switched to WAL, by a read or by a write.
+    let app = path("app.db");
+    // (schema, journal mode) of a SQLite file, through the store's driver.
+    let inspect = |p: &str, create: Option<&str>| -> (String, String) {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            use sqlx::ConnectOptions;
+            let mut c = sqlx::sqlite::SqliteConnectOptions::new()
+                .filename(p)
+                .create_if_missing(create.is_some())
+                .connect()
+                .await
+                .unwrap();
+            if let Some(sql) = create {
+                sqlx::query(sql).execute(&mut c).await.unwrap();
+            }
+            let names: String = sqlx::query_scalar("select group_concat(name) from sqlite_master")
+                .fetch_one(&mut c)
+                .await
+                .unwrap();
+            let mode: String = sqlx::query_scalar("pragma journal_mode")
+                .fetch_one(&mut c)
+                .await
+                .unwrap();
+            (names, mode)
+        })
+    };
+    assert_eq!(
+        inspect(&app, Some("create table users(id int)")),
+        ("users".to_owned(), "delete".to_owned())
+    );
+    let before = std::fs::read(&app).unwrap();
+    for args in [
+        vec!["context", session],
+        vec!["import", "-"],
+        vec!["migrate"],
+    ] {
+        let args: Vec<&str> = args.into_iter().filter(|a| *a != "-").collect();
+        let out = run(&app, &args, Some(&base_log()));
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains("is a SQLite database of something else (tables: users)"),
+            "{args:?}: {}",
+            stderr(&out)
+        );
+    }
+    assert_eq!(std::fs::read(&app).unwrap(), before, "app.db changed");
+    assert_eq!(
+        inspect(&app, None),
+        ("users".to_owned(), "delete".to_owned())
+    );
+    // A file that is not SQLite at all.
+    let text = path("notes.db");
+    std::fs::write(&text, "hello\n".repeat(200)).unwrap();
+    let out = run(&text, &["recover", session], None);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("is not a SQLite database"),
+        "{}",
+        stderr(&out)
+    );
+    // A new path is created by the commands that write, and read after.
+    let new = path("new.db");
+    assert!(run(&new, &["import"], Some(&base_log())).status.success());
+    let out = run(&new, &["history", S, "--json"], None);
+    assert_eq!(stdout(&out).lines().count(), 7, "{}", stderr(&out));
 }

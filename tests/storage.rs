@@ -484,7 +484,7 @@ fn processes_opening_a_new_sqlite_file_at_once_all_succeed() {
         let spawned: Vec<_> = (0..6)
             .map(|_| {
                 std::process::Command::new(bin)
-                    .args(["--database", &db.url, "tail"])
+                    .args(["--database", &db.url, "migrate"])
                     .stdout(std::process::Stdio::null())
                     .stderr(std::process::Stdio::piped())
                     .spawn()

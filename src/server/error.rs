@@ -122,7 +122,9 @@ impl From<Error> for ApiError {
                     "the database is unavailable; try again shortly",
                 )
             }
-            Error::BadUrl(_) | Error::Database(_) | Error::Corrupt(_) => {
+            // `NotAStore` is found when the server opens its store, before
+            // it serves anything.
+            Error::BadUrl(_) | Error::NotAStore(_) | Error::Database(_) | Error::Corrupt(_) => {
                 error!(cause = %e, "request failed in the store");
                 ApiError::new(
                     StatusCode::INTERNAL_SERVER_ERROR,

@@ -95,6 +95,10 @@ pub struct StoreOptions {
     /// after the commit), then the count stops at 0.
     #[doc(hidden)]
     pub fault_lose_replies: Option<std::sync::Arc<std::sync::atomic::AtomicUsize>>,
+    /// Whether opening a SQLite path that does not exist creates the store
+    /// there (the default). The CLI's commands that only read set it to
+    /// `false`, so a mistyped path is an error, not a new empty store.
+    pub create_if_missing: bool,
 }
 
 impl Default for StoreOptions {
@@ -105,6 +109,7 @@ impl Default for StoreOptions {
             fault_pause_before_commit: None,
             fault_pause_after_commit: None,
             fault_lose_replies: None,
+            create_if_missing: true,
         }
     }
 }

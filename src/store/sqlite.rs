@@ -154,6 +154,98 @@ fn path_of(url: &str) -> &str {
         .unwrap_or(url)
 }
 
+/// Every table the migrations make, and the migrator's own: a file with
+/// any other table is not a store (`check_file`); a store another process
+/// is migrating right now has only some of them.
+const STORE_TABLES: [&str; 8] = [
+    "_sqlx_migrations",
+    "events",
+    "calls",
+    "session_views",
+    "session_owners",
+    "chain_backfill",
+    "activation_changes",
+    "changes_backfill",
+];
+
+/// Refuses a path that holds no session store before anything is written
+/// to it: opening turns a file into WAL mode and migrates it, which must
+/// not happen to another application's database named by mistake.
+/// - A missing file is created only when `create` is set (the CLI's
+///   commands that only read do not set it).
+/// - An existing file is read first through a read-only connection: it
+///   must be empty, or a SQLite database with no tables but the store's
+///   (all of them, or the first ones while another process migrates it).
+async fn check_file(path: &str, create: bool) -> Result<()> {
+    if path == ":memory:" || path.starts_with("file:") {
+        return Ok(());
+    }
+    let meta = match std::fs::metadata(path) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return match create {
+                true => Ok(()),
+                false => Err(Error::NotAStore(format!(
+                    "there is no session store at {path}: the file does not exist (import, append and migrate create one)"
+                ))),
+            };
+        }
+        // Left to the connection, whose error names the cause.
+        Err(_) => return Ok(()),
+    };
+    if meta.is_dir() {
+        return Err(Error::NotAStore(format!(
+            "{path} is a directory, not a session store file"
+        )));
+    }
+    if meta.len() == 0 {
+        return Ok(());
+    }
+    let options = SqliteConnectOptions::new()
+        .filename(path)
+        .read_only(true)
+        .busy_timeout(Duration::from_secs(10));
+    let not_sqlite = |e: sqlx::Error| {
+        Error::NotAStore(format!(
+            "{path} is not a SQLite database, so not a session store ({})",
+            sqlx_message(&e)
+        ))
+    };
+    let mut conn = SqliteConnection::connect_with(&options)
+        .await
+        .map_err(not_sqlite)?;
+    let tables: Vec<String> =
+        sqlx::query_scalar("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
+            .fetch_all(&mut conn)
+            .await
+            .map_err(not_sqlite)?;
+    let _ = conn.close().await;
+    let foreign: Vec<&str> = tables
+        .iter()
+        .map(String::as_str)
+        .filter(|t| !STORE_TABLES.contains(t) && !t.starts_with("sqlite_"))
+        .collect();
+    if foreign.is_empty() {
+        return Ok(());
+    }
+    let mut listed: Vec<&str> = foreign.iter().take(5).copied().collect();
+    if foreign.len() > 5 {
+        listed.push("…");
+    }
+    Err(Error::NotAStore(format!(
+        "{path} is a SQLite database of something else (tables: {}), not a session store; it was left unchanged",
+        listed.join(", ")
+    )))
+}
+
+/// The database's own words for a driver error.
+fn sqlx_message(e: &sqlx::Error) -> String {
+    match e {
+        sqlx::Error::Database(d) => d.message().to_owned(),
+        other => other.to_string(),
+    }
+}
+
 /// Connections in the read pool: readers run beside the one writer (WAL).
 pub(crate) const MAX_CONNECTIONS: u32 = 4;
 
@@ -229,6 +321,7 @@ impl SqliteBackend {
         if path.is_empty() {
             return Err(Error::BadUrl(url.to_owned()));
         }
+        check_file(path, options.create_if_missing).await?;
         let connect = connect_options(url)?;
         let timeout = Duration::from_secs(options.connect_timeout_secs.max(1) + 10);
         let writer = open_busy(path, || SqliteConnection::connect_with(&connect)).await?;
@@ -1389,6 +1482,28 @@ pub(crate) fn decode_change(r: SqliteChange) -> Result<ChangeRow> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `check_file` knows every table a store has: a migration that adds
+    /// one must add it to `STORE_TABLES`, or stores would be refused.
+    #[tokio::test]
+    async fn store_tables_lists_every_table_of_a_migrated_store() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("s.db").display());
+        let store = crate::Store::open(&url).await.unwrap();
+        store.close().await;
+        let mut conn = SqliteConnection::connect_with(&connect_options(&url).unwrap())
+            .await
+            .unwrap();
+        let tables: Vec<String> = sqlx::query_scalar(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY name",
+        )
+        .fetch_all(&mut conn)
+        .await
+        .unwrap();
+        let mut expected: Vec<&str> = STORE_TABLES.to_vec();
+        expected.sort_unstable();
+        assert_eq!(tables, expected, "a migration added or dropped a table");
+    }
 
     /// The settings docs/design.md promises ("Durability") are the ones a
     /// connection gets.
