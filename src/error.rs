@@ -198,8 +198,9 @@ pub enum Error {
     /// Any other database failure.
     #[error("database error: {0}")]
     Database(String),
-    /// The stored log holds something the store cannot read back.
-    #[error("corrupt log: {0}")]
+    /// The stored log, or a table derived from it, holds something the
+    /// store cannot read back.
+    #[error("corrupt data in the store: {0}")]
     Corrupt(String),
     /// An append kept conflicting with other writers (or finding the
     /// storage unavailable) until the retry bound.

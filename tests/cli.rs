@@ -524,14 +524,43 @@ fn recover_verify_and_rebuild_through_the_binary() {
             run(&db.url, &["verify"], None).status.success(),
             "{backend}"
         );
+        // A changed compaction is said in JSON, not in Rust's notation.
+        tamper(
+            &db.url,
+            "UPDATE session_views SET summary = NULL, compaction_seq = NULL",
+        );
+        let compacted = "94513509-d834-5173-bbea-1516f5f4b7a3";
+        let out = run(&db.url, &["verify", compacted], None);
+        assert_eq!(out.status.code(), Some(5), "{backend}");
+        let err = stderr(&out);
+        assert!(
+            err.contains("`compaction` is null in the view but {\"seq\":")
+                && !err.contains("Some(")
+                && !err.contains("None"),
+            "{backend}: {err}"
+        );
+        // A view whose JSON cannot be read is drift too: exit 5, not a
+        // failure of the store, and the message says how to repair it.
+        tamper(&db.url, "UPDATE session_views SET catalogs = 'not json'");
+        let out = run(&db.url, &["verify", session], None);
+        assert_eq!(out.status.code(), Some(5), "{backend}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains("unreadable catalogs")
+                && stderr(&out).contains("session-store rebuild"),
+            "{backend}: {}",
+            stderr(&out)
+        );
+        assert!(run(&db.url, &["rebuild"], None).status.success());
         // A broken calls index is drift too.
         tamper(&db.url, "UPDATE calls SET result_seq = NULL");
         let out = run(&db.url, &["verify"], None);
         assert_eq!(out.status.code(), Some(5), "{backend}");
+        let err = stderr(&out);
         assert!(
-            stderr(&out).contains("calls index"),
-            "{backend}: {}",
-            stderr(&out)
+            err.contains("calls index")
+                && err.contains("\"result_seq\":")
+                && !err.contains("Some("),
+            "{backend}: {err}"
         );
         assert!(run(&db.url, &["rebuild", session], None).status.success());
         assert!(run(

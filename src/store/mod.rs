@@ -522,8 +522,8 @@ impl ViewRow {
     pub(crate) fn to_view(&self) -> Result<View> {
         let corrupt = |what: &str, e: serde_json::Error| {
             Error::Corrupt(format!(
-                "the view of session {} has unreadable {what}: {e}",
-                self.session_id
+                "the stored view of session {} has unreadable {what} ({e}); the log itself is not affected, and `session-store rebuild {}` recomputes the view from it",
+                self.session_id, self.session_id
             ))
         };
         let active: Vec<ActiveJson> =
@@ -1619,7 +1619,12 @@ fn call_rows(state: &SessionState) -> Vec<CallRow> {
 async fn verify_in<T: LogTx>(mut tx: T, session_id: Uuid) -> Result<Option<String>> {
     let (expected, state) = fold_log(&mut tx, session_id).await?;
     let stored = match tx.load_view(session_id).await? {
-        Some(row) => Some(row.to_view()?),
+        // Drift like any other: the log is intact, and a rebuild fixes it.
+        Some(row) => match row.to_view() {
+            Ok(view) => Some(view),
+            Err(Error::Corrupt(why)) => return Ok(Some(why)),
+            Err(e) => return Err(e),
+        },
         None => None,
     };
     let difference = match (&stored, &expected) {
@@ -1676,35 +1681,46 @@ async fn verify_in<T: LogTx>(mut tx: T, session_id: Uuid) -> Result<Option<Strin
     {
         if e != s {
             return Ok(Some(format!(
-                "session {session_id}: the calls index differs from the log for call {:?} (log: tool {:?}, call seq {}, result seq {:?})",
-                e.0, e.1, e.2, e.3
+                "session {session_id}: the calls index differs from the log for call {}: the log says {}",
+                serde_json::json!(e.0),
+                serde_json::json!({"tool_name": e.1, "call_seq": e.2, "result_seq": e.3})
             )));
         }
     }
     Ok(None)
 }
 
+/// The first field where the stored view and the log's disagree, said in
+/// JSON (the shape `activations --json` and the API use), not in Rust's
+/// debug notation.
 fn first_view_difference(stored: &View, expected: &View) -> Option<String> {
-    macro_rules! cmp {
-        ($field:ident) => {
-            if stored.$field != expected.$field {
-                return Some(format!(
-                    "`{}` is {:?} in the view but {:?} from the log",
-                    stringify!($field),
-                    stored.$field,
-                    expected.$field
-                ));
-            }
-        };
-    }
-    cmp!(refresh_seq);
-    cmp!(mode);
-    cmp!(window_start);
-    cmp!(compaction);
-    cmp!(catalogs);
-    cmp!(evidence);
-    cmp!(active);
-    None
+    use serde_json::json;
+    let compaction = |v: &View| match &v.compaction {
+        Some((summary, seq)) => json!({"seq": seq, "summary": summary}),
+        None => serde_json::Value::Null,
+    };
+    let catalogs = |v: &View| {
+        let sorted: std::collections::BTreeMap<_, _> = v
+            .catalogs
+            .iter()
+            .map(|(mode, (tools, seq))| (mode, json!({"tools": tools, "seq": seq})))
+            .collect();
+        json!(sorted)
+    };
+    type Field = fn(&View) -> serde_json::Value;
+    let fields: [(&str, Field); 7] = [
+        ("refresh_seq", |v| json!(v.refresh_seq)),
+        ("mode", |v| json!(v.mode)),
+        ("window_start", |v| json!(v.window_start)),
+        ("compaction", compaction),
+        ("catalogs", catalogs),
+        ("evidence", |v| json!(v.evidence)),
+        ("active", |v| json!(v.active)),
+    ];
+    fields.iter().find_map(|(name, of)| {
+        let (s, e) = (of(stored), of(expected));
+        (s != e).then(|| format!("`{name}` is {s} in the view but {e} from the log"))
+    })
 }
 
 async fn rebuild_in<T: LogTx>(mut tx: T, session_id: Uuid) -> Result<()> {
