@@ -24,7 +24,12 @@ const IMPORT_BATCH: usize = 500;
 
 /// Event-sourced session store for AI agent sidecars.
 #[derive(Debug, Parser)]
-#[command(name = "session-store", version, about)]
+#[command(
+    name = "session-store",
+    version,
+    about,
+    after_help = "Exit codes: 0 ok; 1 invalid input, not found, no session store at --database, or input or output that cannot be read or written; 2 usage (a bad flag or value); 3 conflict (the session is not at --expected-seq); 4 storage unavailable or failing; 5 verify found a view that disagrees with the log."
+)]
 pub struct Cli {
     /// Database: a SQLite file path (or sqlite://PATH) or postgres://…
     #[arg(
@@ -35,13 +40,23 @@ pub struct Cli {
     )]
     pub database: String,
 
-    /// Largest accepted event, in bytes of JSON text.
-    #[arg(long, default_value_t = DEFAULT_MAX_EVENT_BYTES, global = true)]
+    /// Largest accepted event, in bytes of JSON text (at least 1).
+    #[arg(long, default_value_t = DEFAULT_MAX_EVENT_BYTES, global = true,
+          value_parser = parse_max_event_bytes)]
     pub max_event_bytes: usize,
 
     /// The command to run.
     #[command(subcommand)]
     pub command: Command,
+}
+
+/// `--max-event-bytes`: a limit of 0 would refuse every event.
+fn parse_max_event_bytes(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1 (bytes of JSON per event)".to_owned()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("{e}")),
+    }
 }
 
 /// The subcommands.
@@ -64,7 +79,7 @@ pub enum Command {
         /// The session's UUID.
         session: String,
         /// The seq the writer last saw (0 for a new session).
-        #[arg(long)]
+        #[arg(long, value_parser = clap::value_parser!(i64).range(0..))]
         expected_seq: i64,
         /// The JSON-lines file; standard input without it.
         file: Option<PathBuf>,

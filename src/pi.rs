@@ -825,14 +825,29 @@ impl Builder {
                 )
             })?),
             None | Some(Value::Null) => match entry.fields.get("firstKeptEntryIndex") {
+                None | Some(Value::Null) => None,
                 // Version 1 files count entries of the file, the header
-                // being entry 0 (pi's migration reads them so).
-                Some(Value::Number(i)) => i
-                    .as_u64()
-                    .and_then(|i| usize::try_from(i).ok())
-                    .and_then(|i| i.checked_sub(1))
-                    .filter(|i| *i < entries.len()),
-                _ => None,
+                // being entry 0 (pi's migration reads them so). One that
+                // names no entry is an error, as an unknown
+                // `firstKeptEntryId` is: keeping nothing would hide a
+                // broken file.
+                Some(v) => Some(
+                    v.as_u64()
+                        .and_then(|i| usize::try_from(i).ok())
+                        .and_then(|i| i.checked_sub(1))
+                        .filter(|i| *i < entries.len())
+                        .ok_or_else(|| {
+                            PiError::new(
+                                line,
+                                Some("firstKeptEntryIndex"),
+                                format!(
+                                    "`firstKeptEntryIndex` must be the number of an entry of the file (1 to {}), found {}",
+                                    entries.len(),
+                                    shown(v)
+                                ),
+                            )
+                        })?,
+                ),
             },
             Some(other) => {
                 return Err(PiError::new(
@@ -1165,6 +1180,22 @@ mod tests {
             panic!("{b:?}")
         };
         assert_eq!(*first_kept_event_id, s.events[3].event.event_id);
+        // An index that names no entry of the file is an error at the
+        // compaction's line, not a compaction that silently keeps nothing.
+        for bad in ["99999999999999", "-1", "0", "\"1\"", "1.5"] {
+            let compaction = format!(
+                r#"{{"type":"compaction","timestamp":"2024-12-03T14:00:04.000Z","summary":"s","firstKeptEntryIndex":{bad}}}"#
+            );
+            let mut broken = file[..4].to_vec();
+            broken.push(&compaction);
+            let e = err(&broken);
+            assert_eq!(
+                (e.line, e.field.as_deref()),
+                (5, Some("firstKeptEntryIndex")),
+                "{bad}: {e}"
+            );
+            assert!(e.message.contains("1 to 4"), "{bad}: {e}");
+        }
     }
 
     #[test]

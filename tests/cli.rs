@@ -421,6 +421,13 @@ fn not_found_out_of_range_and_usage_have_their_exit_codes() {
         assert_eq!(out.status.code(), Some(2), "{backend}");
         let out = run(&db.url, &["context"], None);
         assert_eq!(out.status.code(), Some(2), "{backend}");
+        // Values a flag cannot take are usage errors, not a conflict or a
+        // limit that refuses every event.
+        let out = run(&db.url, &["append", S, "--expected-seq=-1"], Some(""));
+        assert_eq!(out.status.code(), Some(2), "{backend}: {}", stderr(&out));
+        let out = run(&db.url, &["--max-event-bytes", "0", "history", S], None);
+        assert_eq!(out.status.code(), Some(2), "{backend}: {}", stderr(&out));
+        assert!(stderr(&out).contains("at least 1"), "{}", stderr(&out));
         // The readable tables.
         let out = run(&db.url, &["activations", S], None);
         assert!(stdout(&out).contains("web_fetch  5"), "{}", stdout(&out));
