@@ -274,6 +274,63 @@ pub struct ParsedLine {
     pub event: NewEvent,
 }
 
+/// Refuses a JSON object that gives one key twice, at any depth: a parser
+/// keeps only one of them, so the stored event would not be the one that
+/// was sent (§3: values round-trip, nothing but key order may change).
+/// Runs over text that has already parsed as JSON, so its only error is a
+/// duplicate key, with serde_json's line and column.
+pub fn check_unique_keys(text: &[u8]) -> Result<(), serde_json::Error> {
+    use serde::de::{DeserializeSeed, Deserializer, Error as _, MapAccess, SeqAccess, Visitor};
+
+    struct Unique;
+    impl<'de> DeserializeSeed<'de> for Unique {
+        type Value = ();
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            d.deserialize_any(Unique)
+        }
+    }
+    impl<'de> Visitor<'de> for Unique {
+        type Value = ();
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("any JSON value")
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_str<E>(self, _: &str) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_unit<E>(self) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+            while seq.next_element_seed(Unique)?.is_some() {}
+            Ok(())
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+            let mut seen = std::collections::HashSet::new();
+            while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                if !seen.insert(key.clone()) {
+                    return Err(A::Error::custom(format!("the key {key:?} appears twice")));
+                }
+                map.next_value_seed(Unique)?;
+            }
+            Ok(())
+        }
+    }
+    let mut de = serde_json::Deserializer::from_slice(text);
+    Unique.deserialize(&mut de)
+}
+
 /// Parses one JSON line into an event, checking the envelope fields allowed
 /// for `kind` and the size limit (`max_bytes` of JSON text).
 pub fn parse_line(
@@ -292,6 +349,9 @@ pub fn parse_line(
         ));
     }
     let value: Value = serde_json::from_str(line).map_err(|e| {
+        ValidationError::new(Rule::MalformedJson, None, format!("malformed JSON: {e}"))
+    })?;
+    check_unique_keys(line.as_bytes()).map_err(|e| {
         ValidationError::new(Rule::MalformedJson, None, format!("malformed JSON: {e}"))
     })?;
     let Value::Object(map) = value else {

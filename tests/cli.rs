@@ -448,8 +448,11 @@ fn unreachable_storage_exits_4_within_seconds() {
     let out = run(&url, &["activations", S], None);
     assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
     assert!(started.elapsed() < Duration::from_secs(10));
+    // The cause, not only the pool's timeout: where, and what happened.
     assert!(
-        stderr(&out).contains("storage unavailable"),
+        stderr(&out).contains("storage unavailable")
+            && stderr(&out).contains(&format!("127.0.0.1:{port}"))
+            && stderr(&out).to_lowercase().contains("refused"),
         "{}",
         stderr(&out)
     );

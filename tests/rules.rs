@@ -854,6 +854,22 @@ fn empty_call_id_is_rejected() {
 }
 
 #[test]
+fn a_key_given_twice_is_malformed_json_at_any_depth() {
+    for line in [
+        r#"{"type":"session_started","mode":"agent","mode":"chat"}"#,
+        r#"{"type":"tool_call","call_id":"c1","tool_name":"Read","input":{"a":[{"k":1,"k":2}]}}"#,
+        r#"{"type":"prompt_submitted","text":"x","\u0074ext":"y"}"#,
+    ] {
+        let e = line_err(line);
+        assert_rule(&e, Rule::MalformedJson, None);
+        assert!(e.to_string().contains("appears twice"), "{line}: {e}");
+    }
+    // The same key in sibling objects, and numbers of any size, are fine.
+    let ok = r#"{"type":"tool_call","call_id":"c1","tool_name":"Read","input":[{"k":1},{"k":123456789012345678901234567890}]}"#;
+    parse_line(ok, LineKind::Append, DEFAULT_MAX_EVENT_BYTES).unwrap();
+}
+
+#[test]
 fn nul_in_strings_kept_outside_the_payload_is_rejected() {
     let empty = Log::empty();
     assert_rule(

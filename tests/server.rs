@@ -207,6 +207,22 @@ both_backends!(every_documented_status, |url: String| async move {
     .await;
     assert_error(s, &v, StatusCode::BAD_REQUEST, "bad_request");
     assert_eq!(v["rule"], "malformed-json");
+    // A key given twice would be stored as only one of its values.
+    let (s, v, _) = call(
+        &app,
+        Method::POST,
+        &uri,
+        None,
+        Some("application/json"),
+        r#"{"expected_seq": 6, "events": [{"type": "mode_switched", "mode": "a", "mode": "b"}]}"#,
+    )
+    .await;
+    assert_error(s, &v, StatusCode::BAD_REQUEST, "bad_request");
+    assert_eq!(v["rule"], "malformed-json");
+    assert!(
+        v["message"].as_str().unwrap().contains("appears twice"),
+        "{v}"
+    );
     let (s, v) = get(&app, "/v1/sessions/not-a-uuid/context", None).await;
     assert_error(s, &v, StatusCode::BAD_REQUEST, "bad_request");
 

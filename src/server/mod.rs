@@ -384,11 +384,13 @@ impl From<&Appended> for AppendedEvent {
 /// Parses an append body into `(expected_seq, events)`, with the rule,
 /// field and batch index of whatever is wrong.
 fn parse_append(body: &[u8], session_id: Uuid) -> Result<(i64, Vec<NewEvent>), ApiError> {
-    let value: Value = serde_json::from_slice(body).map_err(|e| {
-        let mut a = ApiError::bad_request(format!("the body is not JSON: {e}"));
-        a.body.rule = Some(Rule::MalformedJson.code().to_owned());
-        a
-    })?;
+    let value: Value = serde_json::from_slice(body)
+        .and_then(|v| crate::event::check_unique_keys(body).map(|()| v))
+        .map_err(|e| {
+            let mut a = ApiError::bad_request(format!("the body is not JSON: {e}"));
+            a.body.rule = Some(Rule::MalformedJson.code().to_owned());
+            a
+        })?;
     let Value::Object(mut map) = value else {
         let mut a = ApiError::bad_request(
             "the body must be a JSON object: {\"expected_seq\": N, \"events\": [...]}",

@@ -164,15 +164,39 @@ impl PgBackend {
         let connect = connect_options(url)?;
         let pool = pool_options()
             .acquire_timeout(Duration::from_secs(options.connect_timeout_secs.max(1)))
-            .connect_with(connect)
-            .await
-            .map_err(|e| match Error::from_sqlx(e) {
+            .connect_with(connect.clone())
+            .await;
+        match pool {
+            Ok(pool) => Ok(PgBackend { pool }),
+            Err(sqlx::Error::PoolTimedOut) => {
+                // The pool's timeout hides why each attempt failed: one
+                // more attempt of our own says it (refused, unknown host,
+                // bad password…).
+                let at = format!("{}:{}", connect.get_host(), connect.get_port());
+                let cause = match tokio::time::timeout(
+                    Duration::from_secs(2),
+                    sqlx::postgres::PgConnection::connect_with(&connect),
+                )
+                .await
+                {
+                    Ok(Err(e)) => match Error::from_sqlx(e) {
+                        Error::Unavailable(m) | Error::Database(m) => m,
+                        other => other.to_string(),
+                    },
+                    Ok(Ok(_)) => "it answered only after the connect timeout".to_owned(),
+                    Err(_) => "no answer within the connect timeout".to_owned(),
+                };
+                Err(Error::Unavailable(format!(
+                    "cannot connect to PostgreSQL at {at}: {cause}"
+                )))
+            }
+            Err(e) => Err(match Error::from_sqlx(e) {
                 Error::Unavailable(m) | Error::Database(m) => {
                     Error::Unavailable(format!("cannot connect to PostgreSQL: {m}"))
                 }
                 other => other,
-            })?;
-        Ok(PgBackend { pool })
+            }),
+        }
     }
 
     pub(crate) async fn migrate(&self) -> Result<()> {
