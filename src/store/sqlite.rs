@@ -177,7 +177,9 @@ const STORE_TABLES: [&str; 8] = [
 ///   must be empty, or a SQLite database with no tables but the store's
 ///   (all of them, or the first ones while another process migrates it).
 async fn check_file(path: &str, create: bool) -> Result<()> {
-    if path == ":memory:" || path.starts_with("file:") {
+    // `sqlite://PATH?mode=…`: the file is the part before the options.
+    let (path, query) = path.split_once('?').unwrap_or((path, ""));
+    if path == ":memory:" || path.starts_with("file:") || query.contains("mode=memory") {
         return Ok(());
     }
     let meta = match std::fs::metadata(path) {
@@ -1482,6 +1484,26 @@ pub(crate) fn decode_change(r: SqliteChange) -> Result<ChangeRow> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `check_file` looks at the file a URL names, options and all.
+    #[tokio::test]
+    async fn check_file_reads_the_path_before_the_options() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("s.db").display().to_string();
+        let missing = check_file(&format!("{file}?mode=rwc"), false).await;
+        assert!(matches!(missing, Err(Error::NotAStore(_))), "{missing:?}");
+        check_file(&format!("{file}?mode=rwc"), true).await.unwrap();
+        let store = crate::Store::open(&format!("sqlite://{file}?mode=rwc"))
+            .await
+            .unwrap();
+        store.close().await;
+        check_file(&format!("{file}?mode=rwc"), false)
+            .await
+            .unwrap();
+        check_file(&file, false).await.unwrap();
+        check_file(":memory:", false).await.unwrap();
+        check_file("x.db?mode=memory", false).await.unwrap();
+    }
 
     /// `check_file` knows every table a store has: a migration that adds
     /// one must add it to `STORE_TABLES`, or stores would be refused.
