@@ -449,9 +449,15 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
         fault_pause_after_commit: pause_after_commit,
         // Only the commands that write make a new SQLite file; the others
         // say that there is no store at a mistyped path.
+        // (`tail --follow` too: it waits for the store's first events,
+        // and may start before any writer.)
         create_if_missing: matches!(
             cli.command,
-            Command::Migrate | Command::Import { .. } | Command::Append { .. } | Command::Serve(_)
+            Command::Migrate
+                | Command::Import { .. }
+                | Command::Append { .. }
+                | Command::Serve(_)
+                | Command::Tail { follow: true, .. }
         ),
         ..StoreOptions::default()
     };
@@ -1194,8 +1200,9 @@ fn read_lines(file: Option<&PathBuf>) -> Result<Vec<(usize, String)>, CliError> 
 
 /// The input's non-blank lines, read one at a time, so that `import`
 /// holds one batch of the input, never all of it: a producer piped into
-/// `import` has its lines stored as they come, and a huge input costs no
-/// more memory than a small one. A line is read up to `limit` bytes: a
+/// `import` has each batch stored (500 lines of one session, a change of
+/// session, or the end of the input) while it still runs, and a huge
+/// input costs no more memory than a small one. A line is read up to `limit` bytes: a
 /// longer one is refused (as `parse_line` would refuse it) without being
 /// held whole.
 pub struct InputLines {
@@ -1244,13 +1251,17 @@ impl InputLines {
             if read == 0 {
                 return Ok(None);
             }
-            if self.buf.last() == Some(&b'\n') {
+            let ended = self.buf.last() == Some(&b'\n');
+            if ended {
                 self.buf.pop();
                 if self.buf.last() == Some(&b'\r') {
                     self.buf.pop();
                 }
             }
             if self.buf.len() > self.limit {
+                if self.blank_to_end_of_line(ended)? {
+                    continue;
+                }
                 return Err(CliError::Line {
                     line,
                     error: ValidationError::new(
@@ -1283,6 +1294,29 @@ impl InputLines {
                 return Ok(Some((line, text.to_owned())));
             }
         }
+    }
+}
+
+impl InputLines {
+    /// A line over the limit that is blank so far: reads the rest of it (up
+    /// to its newline, unless `ended` says it was read) a piece at a time,
+    /// and says whether all of it was blank (a blank line is skipped
+    /// whatever its length, as a short one is).
+    fn blank_to_end_of_line(&mut self, mut ended: bool) -> Result<bool, CliError> {
+        let line = self.number;
+        let mut piece = std::mem::take(&mut self.buf);
+        let mut blank = piece.iter().all(u8::is_ascii_whitespace);
+        while blank && !ended {
+            piece.clear();
+            let cap = self.limit as u64 + 2;
+            let read = <&mut Box<dyn BufRead> as std::io::Read>::take(&mut self.reader, cap)
+                .read_until(b'\n', &mut piece)
+                .map_err(|e| CliError::Io(format!("cannot read line {line} of the input: {e}")))?;
+            ended = read == 0 || piece.last() == Some(&b'\n');
+            blank = piece.iter().all(u8::is_ascii_whitespace);
+        }
+        self.buf = piece;
+        Ok(blank)
     }
 }
 

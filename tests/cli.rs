@@ -888,3 +888,70 @@ fn a_path_that_holds_no_session_store_is_refused_and_left_alone() {
     let out = run(&new, &["history", S, "--json"], None);
     assert_eq!(stdout(&out).lines().count(), 7, "{}", stderr(&out));
 }
+
+#[test]
+fn input_lines_skip_blank_lines_of_any_length_and_number_the_rest() {
+    use session_store::cli::InputLines;
+    let text = format!(
+        "a\n{}\n\nb\r\n{}\n  c  \n{}",
+        " ".repeat(30),
+        "\t".repeat(25),
+        " ".repeat(15)
+    );
+    let lines: Vec<(usize, String)> =
+        InputLines::new(Box::new(std::io::Cursor::new(text.into_bytes())), 10)
+            .collect::<Result<_, _>>()
+            .unwrap();
+    assert_eq!(
+        lines,
+        [
+            (1, "a".to_owned()),
+            (4, "b".to_owned()),
+            (6, "  c  ".to_owned())
+        ]
+    );
+    // A line over the limit that is not blank is refused at its number,
+    // and nothing is read after it.
+    let text = format!("a\n{}x\nb\n", " ".repeat(20));
+    let mut lines = InputLines::new(Box::new(std::io::Cursor::new(text.into_bytes())), 10);
+    assert_eq!(lines.next().unwrap().unwrap(), (1, "a".to_owned()));
+    let err = lines.next().unwrap().unwrap_err();
+    assert!(err.to_string().starts_with("line 2:"), "{err}");
+    assert!(lines.next().is_none());
+}
+
+#[test]
+fn tail_follow_on_a_new_path_waits_for_the_first_events() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = dir.path().join("new.db").display().to_string();
+    let mut tail = Command::new(BIN)
+        .args(["--database", &url, "tail", "--follow", "--json"])
+        .env_remove("DATABASE_URL")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        tail.try_wait().unwrap().is_none(),
+        "tail --follow stopped on a new path"
+    );
+    assert!(run(&url, &["import"], Some(&base_log())).status.success());
+    let stdout = tail.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        use std::io::BufRead;
+        std::io::BufReader::new(stdout)
+            .lines()
+            .take(7)
+            .map(|l| l.unwrap())
+            .collect::<Vec<_>>()
+    });
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !reader.is_finished() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = tail.kill();
+    let _ = tail.wait();
+    let lines = reader.join().unwrap();
+    assert_eq!(lines.len(), 7, "{lines:?}");
+}

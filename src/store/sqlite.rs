@@ -176,12 +176,17 @@ const STORE_TABLES: [&str; 8] = [
 /// - An existing file is read first through a read-only connection: it
 ///   must be empty, or a SQLite database with no tables but the store's
 ///   (all of them, or the first ones while another process migrates it).
-async fn check_file(path: &str, create: bool) -> Result<()> {
-    // `sqlite://PATH?mode=…`: the file is the part before the options.
-    let (path, query) = path.split_once('?').unwrap_or((path, ""));
-    if path == ":memory:" || path.starts_with("file:") || query.contains("mode=memory") {
+async fn check_file(url: &str, create: bool) -> Result<()> {
+    // The file the driver will open: its URL parser percent-decodes the
+    // path and reads `?mode=…` options.
+    let (_, query) = path_of(url).split_once('?').unwrap_or(("", ""));
+    let target = connect_options(url)?;
+    let file = target.get_filename();
+    let name = file.to_string_lossy();
+    if query.contains("mode=memory") || name == ":memory:" || name.starts_with("file:") {
         return Ok(());
     }
+    let path = name.as_ref();
     let meta = match std::fs::metadata(path) {
         Ok(meta) => meta,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -204,14 +209,30 @@ async fn check_file(path: &str, create: bool) -> Result<()> {
         return Ok(());
     }
     let options = SqliteConnectOptions::new()
-        .filename(path)
+        .filename(file)
         .read_only(true)
         .busy_timeout(Duration::from_secs(10));
+    // Only "not a database" (SQLITE_NOTADB) says what the file is; a
+    // permission, lock or I/O failure is the storage's, said as such.
     let not_sqlite = |e: sqlx::Error| {
-        Error::NotAStore(format!(
-            "{path} is not a SQLite database, so not a session store ({})",
-            sqlx_message(&e)
-        ))
+        let notadb = match &e {
+            sqlx::Error::Database(d) => {
+                d.code().as_deref() == Some("26") || d.message().contains("not a database")
+            }
+            _ => false,
+        };
+        match notadb {
+            true => Error::NotAStore(format!(
+                "{path} is not a SQLite database, so not a session store ({})",
+                sqlx_message(&e)
+            )),
+            false => match Error::from_sqlx(e) {
+                Error::Unavailable(m) | Error::Database(m) => {
+                    Error::Unavailable(format!("cannot read {path}: {m}"))
+                }
+                other => other,
+            },
+        }
     };
     let mut conn = SqliteConnection::connect_with(&options)
         .await
@@ -323,7 +344,7 @@ impl SqliteBackend {
         if path.is_empty() {
             return Err(Error::BadUrl(url.to_owned()));
         }
-        check_file(path, options.create_if_missing).await?;
+        check_file(url, options.create_if_missing).await?;
         let connect = connect_options(url)?;
         let timeout = Duration::from_secs(options.connect_timeout_secs.max(1) + 10);
         let writer = open_busy(path, || SqliteConnection::connect_with(&connect)).await?;
@@ -1485,24 +1506,45 @@ pub(crate) fn decode_change(r: SqliteChange) -> Result<ChangeRow> {
 mod tests {
     use super::*;
 
-    /// `check_file` looks at the file a URL names, options and all.
+    /// `check_file` looks at the file the driver opens, whatever the URL's
+    /// options and encoding.
     #[tokio::test]
-    async fn check_file_reads_the_path_before_the_options() {
+    async fn check_file_reads_the_file_the_driver_opens() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("s.db").display().to_string();
-        let missing = check_file(&format!("{file}?mode=rwc"), false).await;
+        let url = format!("sqlite://{file}?mode=rwc");
+        let missing = check_file(&url, false).await;
         assert!(matches!(missing, Err(Error::NotAStore(_))), "{missing:?}");
-        check_file(&format!("{file}?mode=rwc"), true).await.unwrap();
-        let store = crate::Store::open(&format!("sqlite://{file}?mode=rwc"))
-            .await
-            .unwrap();
+        check_file(&url, true).await.unwrap();
+        let store = crate::Store::open(&url).await.unwrap();
         store.close().await;
-        check_file(&format!("{file}?mode=rwc"), false)
+        check_file(&url, false).await.unwrap();
+        check_file(&file, false).await.unwrap();
+        check_file("sqlite::memory:", false).await.unwrap();
+        check_file("sqlite://x.db?mode=memory", false)
             .await
             .unwrap();
-        check_file(&file, false).await.unwrap();
-        check_file(":memory:", false).await.unwrap();
-        check_file("x.db?mode=memory", false).await.unwrap();
+        // The driver percent-decodes the path: the check reads the same
+        // file, here another application's database.
+        let spaced = dir.path().join("my app.db");
+        let mut other = SqliteConnection::connect_with(
+            &SqliteConnectOptions::new()
+                .filename(&spaced)
+                .create_if_missing(true),
+        )
+        .await
+        .unwrap();
+        sqlx::query("CREATE TABLE users (id INTEGER)")
+            .execute(&mut other)
+            .await
+            .unwrap();
+        other.close().await.unwrap();
+        let encoded = format!("sqlite://{}/my%20app.db", dir.path().display());
+        let refused = check_file(&encoded, true).await;
+        assert!(
+            matches!(&refused, Err(Error::NotAStore(m)) if m.contains("users")),
+            "{refused:?}"
+        );
     }
 
     /// `check_file` knows every table a store has: a migration that adds
