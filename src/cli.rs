@@ -806,23 +806,32 @@ async fn run_on(
         }
         Command::Refreshes { session, json } => {
             let session = parse_session(&session)?;
-            if !json {
+            // The table's header goes with its first row, so that an
+            // unknown session prints its error alone.
+            let header = |out: &mut dyn Write| {
                 writeln!(
                     out,
                     "{:>6}  {:<17}  {:>6}  {:<12}  TOOLS / CHANGES",
                     "SEQ", "TYPE", "PROMPT", "MODE"
                 )
-                .map_err(io)?;
-            }
+                .map_err(io)
+            };
+            let mut headed = json;
             store
                 .refreshes(session, At::Latest, |r| {
                     if json {
-                        print_json(out, &r)
-                    } else {
-                        print_refresh(&r, out).map_err(io)
+                        return print_json(out, &r);
                     }
+                    if !headed {
+                        header(out)?;
+                        headed = true;
+                    }
+                    print_refresh(&r, out).map_err(io)
                 })
                 .await?;
+            if !headed {
+                header(out)?;
+            }
         }
         Command::Audit(query) => audit(store, query, out).await?,
         Command::Verify {

@@ -133,6 +133,18 @@ fn refreshes_list_every_refresh_point_with_its_difference() {
     for (backend, db) in backends() {
         let url = db.url.as_str();
         assert!(run(url, &["import", LOG]).status.success(), "{backend}");
+        // An unknown session: the error alone, no table header before it.
+        let o = run(url, &["refreshes", "00000000-0000-4000-8000-000000000000"]);
+        assert_eq!(o.status.code(), Some(1), "{backend}");
+        assert!(
+            o.stdout.is_empty(),
+            "{}",
+            String::from_utf8_lossy(&o.stdout)
+        );
+        let o = run(url, &["refreshes", S]);
+        let table = String::from_utf8_lossy(&o.stdout);
+        assert!(table.starts_with("   SEQ  TYPE"), "{table}");
+        assert_eq!(table.matches("TOOLS / CHANGES").count(), 1, "{table}");
         let o = run(url, &["refreshes", S, "--json"]);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let lines: Vec<Value> = String::from_utf8_lossy(&o.stdout)
