@@ -955,3 +955,46 @@ fn tail_follow_on_a_new_path_waits_for_the_first_events() {
     let lines = reader.join().unwrap();
     assert_eq!(lines.len(), 7, "{lines:?}");
 }
+
+#[test]
+fn a_store_its_reader_cannot_write_is_refused_with_the_reason() {
+    // Needs a second user: run as root (as CI does), read as `nobody`.
+    let root = Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| o.stdout.starts_with(b"0\n"));
+    let setpriv = Command::new("setpriv").arg("--version").output().is_ok();
+    if !(root && setpriv) {
+        assert_ne!(
+            std::env::var("CI").as_deref(),
+            Ok("true"),
+            "CI runs as root with setpriv"
+        );
+        eprintln!("SKIPPED: needs root and setpriv");
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let url = dir.path().join("s.db").display().to_string();
+    assert!(run(&url, &["import"], Some(&base_log())).status.success());
+    let out = Command::new("setpriv")
+        .args([
+            "--reuid",
+            "65534",
+            "--regid",
+            "65534",
+            "--clear-groups",
+            BIN,
+        ])
+        .args(["--database", &url, "activations", S])
+        .env_remove("DATABASE_URL")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("needs write access to the file and to its directory"),
+        "{}",
+        stderr(&out)
+    );
+}

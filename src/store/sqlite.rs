@@ -227,6 +227,11 @@ async fn check_file(url: &str, create: bool) -> Result<()> {
                 sqlx_message(&e)
             )),
             false => match Error::from_sqlx(e) {
+                Error::Unavailable(m) | Error::Database(m) if m.contains("readonly") => {
+                    Error::Unavailable(format!(
+                        "cannot read {path}: {m} (a store is in WAL mode: reading it needs write access to the file and to its directory, where SQLite keeps the -shm and -wal files)"
+                    ))
+                }
                 Error::Unavailable(m) | Error::Database(m) => {
                     Error::Unavailable(format!("cannot read {path}: {m}"))
                 }
