@@ -225,18 +225,31 @@ impl Error {
             | sqlx::Error::PoolClosed
             | sqlx::Error::Tls(_)
             | sqlx::Error::WorkerCrashed => Error::Unavailable(e.to_string()),
+            sqlx::Error::Database(db)
+                if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() =>
+            {
+                // SQLite's extended codes carry the primary code in their
+                // low byte: BUSY 5, LOCKED 6, READONLY 8 (also a file moved
+                // or removed under an open store), IOERR 10, FULL 13 (the
+                // disk), CANTOPEN 14. The storage's state, not the request:
+                // "try again" once it is fixed.
+                let code: i64 = db.code().and_then(|c| c.parse().ok()).unwrap_or(0);
+                if [5, 6, 8, 10, 13, 14].contains(&(code & 0xff)) {
+                    Error::Unavailable(db.message().to_string())
+                } else {
+                    Error::Database(db.message().to_string())
+                }
+            }
             sqlx::Error::Database(db) => {
                 let code = db.code().map(|c| c.to_string()).unwrap_or_default();
                 // PostgreSQL classes 08 (connection), 53 (resources), 57P
                 // (shutdown), 57014 (statement timeout), 55P03 (lock
                 // timeout), 25P03 (idle-in-transaction timeout), 40001/40P01
-                // (serialization, deadlock); SQLite BUSY(5)/LOCKED(6)/
-                // CANTOPEN(14)/IOERR(10). All say "try again".
+                // (serialization, deadlock). All say "try again".
                 if code.starts_with("08")
                     || code.starts_with("53")
                     || code.starts_with("57P")
                     || ["57014", "55P03", "25P03", "40001", "40P01"].contains(&code.as_str())
-                    || ["5", "6", "10", "14", "517", "261"].contains(&code.as_str())
                 {
                     Error::Unavailable(db.message().to_string())
                 } else {

@@ -740,3 +740,102 @@ both_backends!(
         assert!(page.changes.is_empty());
     }
 );
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_store_whose_file_is_removed_acknowledges_nothing_more() {
+    // A connection still open on a removed file would take appends that no
+    // later open can read: after the removal every append fails, and the
+    // store no longer says it is ready.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gone.db");
+    let store = Store::open(&path.display().to_string()).await.unwrap();
+    let s = Uuid::new_v4();
+    store.append(s, 0, vec![started()]).await.unwrap();
+    store.ready().await.unwrap();
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+    }
+    for i in 0..3 {
+        let err = store
+            .append(s, 1, vec![prompt(&format!("after the removal {i}"))])
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::Unavailable(_)), "{err:?}");
+    }
+    let err = store.ready().await.unwrap_err();
+    assert!(err.to_string().contains("was removed"), "{err}");
+    // Nothing was made at the path in the meantime.
+    assert!(!path.exists(), "a new file was created at the store's path");
+    store.close().await;
+}
+
+both_backends!(
+    subscribers_never_take_the_connections_appends_need,
+    |url: String| async move {
+        // More watchers and subscriptions than the store's pool has
+        // connections (8 on PostgreSQL): appends and reads still go through
+        // at once.
+        let store = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        store.append(s, 0, vec![started()]).await.unwrap();
+        let mut watchers = Vec::new();
+        let mut subscriptions = Vec::new();
+        for _ in 0..6 {
+            watchers.push(store.watch().await.unwrap());
+            subscriptions.push(store.subscribe(1).await.unwrap());
+        }
+        let started_at = std::time::Instant::now();
+        store
+            .append(s, 1, vec![prompt("still here")])
+            .await
+            .unwrap();
+        assert_eq!(store.head_seq(s).await.unwrap(), 2);
+        assert!(
+            started_at.elapsed() < std::time::Duration::from_secs(2),
+            "append and read took {:?} beside 12 subscribers",
+            started_at.elapsed()
+        );
+        drop(subscriptions);
+        drop(watchers);
+    }
+);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_append_cancelled_at_any_point_never_keeps_the_write_lock() {
+    // An append alone in its group commits in its caller's task; a caller
+    // that gives up (a timeout) at any point must leave the file's write
+    // lock free for another process's store within moments.
+    let dir = tempfile::tempdir().unwrap();
+    let url = dir.path().join("cancel.db").display().to_string();
+    let a = Store::open(&url).await.unwrap();
+    let b = Store::open(&url).await.unwrap();
+    let (sa, sb) = (Uuid::new_v4(), Uuid::new_v4());
+    a.append(sa, 0, vec![started()]).await.unwrap();
+    b.append(sb, 0, vec![started()]).await.unwrap();
+    let mut cancelled = 0;
+    for step in 0..60u64 {
+        let head = a.head_seq(sa).await.unwrap();
+        let give_up = std::time::Duration::from_micros(50 + step * 60);
+        let batch: Vec<NewEvent> = (0..20).map(|i| prompt(&format!("a {step}.{i}"))).collect();
+        if tokio::time::timeout(give_up, a.append(sa, head, batch))
+            .await
+            .is_err()
+        {
+            cancelled += 1;
+        }
+        // Let a rollback spawned by the cancelled append run.
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        let head_b = b.head_seq(sb).await.unwrap();
+        let other = tokio::time::timeout(
+            std::time::Duration::from_secs(3),
+            b.append(sb, head_b, vec![prompt(&format!("b {step}"))]),
+        )
+        .await;
+        assert!(
+            matches!(other, Ok(Ok(_))),
+            "step {step}: the other store could not append: {other:?}"
+        );
+    }
+    assert!(cancelled > 0, "no append was cancelled");
+    assert_eq!(a.verify(sa).await.unwrap(), None);
+}

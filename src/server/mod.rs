@@ -965,7 +965,8 @@ pub struct Health {
     pub status: &'static str,
 }
 
-/// Readiness: the database answers a read.
+/// Readiness: the database answers a read, and (SQLite) its file is the
+/// one the store opened.
 #[utoipa::path(
     get,
     path = "/readyz",
@@ -975,7 +976,7 @@ pub struct Health {
     )
 )]
 async fn readyz(State(server): State<Server>) -> Result<Json<Health>, ApiError> {
-    server.inner.store.head_seq(Uuid::nil()).await?;
+    server.inner.store.ready().await?;
     Ok(Json(Health { status: "ready" }))
 }
 

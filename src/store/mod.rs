@@ -744,6 +744,16 @@ impl Store {
         Ok(store)
     }
 
+    /// Whether the store can serve: the database answers a read and, on
+    /// SQLite, the path still names the file the store opened (a store
+    /// whose file was removed or replaced must not look ready).
+    pub async fn ready(&self) -> Result<()> {
+        if let Backend::Sqlite(b) = &self.backend {
+            b.check_file_identity().await?;
+        }
+        self.head_seq(Uuid::nil()).await.map(|_| ())
+    }
+
     /// Which backend this store runs on.
     pub fn kind(&self) -> BackendKind {
         match self.backend {

@@ -88,6 +88,10 @@ pub(crate) const NOTIFY_CHANNEL: &str = "session_store_events";
 #[derive(Clone)]
 pub(crate) struct PgBackend {
     pool: PgPool,
+    /// How to connect, for listeners: each gets a connection of its own,
+    /// outside `pool`, so that subscribers (an SSE stream, `tail
+    /// --follow`) can never take the connections appends and reads need.
+    connect: std::sync::Arc<sqlx::postgres::PgConnectOptions>,
 }
 
 fn decode(row: Row) -> Result<StoredEvent> {
@@ -167,7 +171,10 @@ impl PgBackend {
             .connect_with(connect.clone())
             .await;
         match pool {
-            Ok(pool) => Ok(PgBackend { pool }),
+            Ok(pool) => Ok(PgBackend {
+                pool,
+                connect: std::sync::Arc::new(connect),
+            }),
             Err(sqlx::Error::PoolTimedOut) => {
                 // The pool's timeout hides why each attempt failed: one
                 // more attempt of our own says it (refused, unknown host,
@@ -319,8 +326,16 @@ impl PgBackend {
         rows.into_iter().map(decode).collect()
     }
 
-    pub(crate) fn pool(&self) -> &PgPool {
-        &self.pool
+    /// A pool of one connection for one listener (see `connect`); it
+    /// reconnects it when the connection is lost.
+    pub(crate) fn listener_pool(&self) -> PgPool {
+        PgPoolOptions::new()
+            .max_connections(1)
+            .min_connections(0)
+            .acquire_timeout(Duration::from_secs(5))
+            .idle_timeout(None)
+            .max_lifetime(None)
+            .connect_lazy_with((*self.connect).clone())
     }
 
     /// Runs an audit query that selects event rows (src/store/query.rs).

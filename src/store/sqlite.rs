@@ -80,6 +80,8 @@ pub(crate) struct SqliteBackend {
     /// How to (re)open the writer connection.
     connect: Arc<SqliteConnectOptions>,
     path: Arc<str>,
+    /// The file opened (`None` in memory); the writer keeps a copy.
+    file: Option<StoreFile>,
 }
 
 /// The writer connection. `in_tx`: a `BEGIN` was sent (or is being sent)
@@ -89,6 +91,45 @@ pub(crate) struct Writer {
     conn: Option<SqliteConnection>,
     in_tx: bool,
     closed: bool,
+    /// The store's file as opened (`None` in memory): a commit checks that
+    /// the path still names it.
+    file: Option<StoreFile>,
+}
+
+/// The file a store opened, by device and inode: if it is removed or
+/// replaced under a running store, a connection still open on the old
+/// inode would acknowledge appends that no later open can see. A commit
+/// and the readiness probe check that the path still names this file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct StoreFile {
+    path: std::path::PathBuf,
+    id: (u64, u64),
+}
+
+impl StoreFile {
+    fn of(path: &std::path::Path) -> Option<StoreFile> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(path).ok()?;
+        Some(StoreFile {
+            path: path.to_owned(),
+            id: (meta.dev(), meta.ino()),
+        })
+    }
+
+    /// An error unless the path still names the file the store opened.
+    pub(crate) fn check(&self) -> Result<()> {
+        match StoreFile::of(&self.path) {
+            Some(now) if now.id == self.id => Ok(()),
+            Some(_) => Err(Error::Unavailable(format!(
+                "the store's file {} was replaced by another file while the store was open; nothing more is written to it until the store is opened again",
+                self.path.display()
+            ))),
+            None => Err(Error::Unavailable(format!(
+                "the store's file {} was removed while the store was open; nothing more is written until it is back and the store is opened again",
+                self.path.display()
+            ))),
+        }
+    }
 }
 
 impl Writer {
@@ -353,6 +394,12 @@ impl SqliteBackend {
         let connect = connect_options(url)?;
         let timeout = Duration::from_secs(options.connect_timeout_secs.max(1) + 10);
         let writer = open_busy(path, || SqliteConnection::connect_with(&connect)).await?;
+        // The file exists now. Every later connection (the pool's, a
+        // reopened writer) opens it or fails: one that made a new empty
+        // file after the store's was removed would take writes no one
+        // reads.
+        let file = StoreFile::of(connect.get_filename());
+        let connect = connect.create_if_missing(false);
         let pool = open_busy(path, || {
             pool_options()
                 .acquire_timeout(timeout)
@@ -365,9 +412,11 @@ impl SqliteBackend {
                 conn: Some(writer),
                 in_tx: false,
                 closed: false,
+                file: file.clone(),
             })),
             connect: Arc::new(connect),
             path: path.into(),
+            file,
         })
     }
 
@@ -391,6 +440,14 @@ impl SqliteBackend {
                     )))
                 }
             }
+        }
+    }
+
+    /// An error if the path no longer names the file this store opened.
+    pub(crate) async fn check_file_identity(&self) -> Result<()> {
+        match &self.file {
+            Some(file) => file.check(),
+            None => Ok(()),
         }
     }
 
@@ -1440,10 +1497,19 @@ impl LogTx for SqliteTx {
     }
 
     async fn commit(mut self) -> Result<()> {
-        match std::mem::replace(&mut self.conn, TxConn::Done) {
-            TxConn::Read(tx) => tx.commit().await.map_err(Error::from_sqlx),
-            TxConn::Write(mut w) => {
-                if !w.in_tx && self.pending.is_none() {
+        // The writer stays in `self` while the commit is awaited: if the
+        // caller drops this future half-way (a timeout, a `select!`), Drop
+        // still finds the open transaction and rolls it back, instead of
+        // leaving the file's write lock held until this process writes
+        // again.
+        let pending = self.pending.take();
+        match &mut self.conn {
+            TxConn::Read(_) => match std::mem::replace(&mut self.conn, TxConn::Done) {
+                TxConn::Read(tx) => tx.commit().await.map_err(Error::from_sqlx),
+                _ => Ok(()),
+            },
+            TxConn::Write(w) => {
+                if !w.in_tx && pending.is_none() {
                     // Nothing was sent: nothing to commit.
                     return Ok(());
                 }
@@ -1451,11 +1517,12 @@ impl LogTx for SqliteTx {
                     w.rollback().await;
                     return Err(e);
                 }
+                if let Some(Err(e)) = w.file.as_ref().map(StoreFile::check) {
+                    w.rollback().await;
+                    return Err(e);
+                }
                 // The pending writes and the COMMIT, in one hop.
-                let mut q = self
-                    .pending
-                    .take()
-                    .unwrap_or_else(|| QueryBuilder::<Sqlite>::new(""));
+                let mut q = pending.unwrap_or_else(|| QueryBuilder::<Sqlite>::new(""));
                 q.push("COMMIT;");
                 let committed = q.build().execute(w.conn()?).await;
                 match committed {

@@ -31,7 +31,7 @@ impl Waker {
     async fn new(store: &Store) -> Result<Waker> {
         let listener = match &store.backend {
             Backend::Postgres(b) => {
-                let mut l = PgListener::connect_with(b.pool())
+                let mut l = PgListener::connect_with(&b.listener_pool())
                     .await
                     .map_err(Error::from_sqlx)?;
                 l.listen(super::postgres::NOTIFY_CHANNEL)
