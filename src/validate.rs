@@ -13,7 +13,10 @@ pub const MAX_TOOL_NAME_BYTES: usize = 256;
 /// The default limit on one event's JSON text (§4).
 pub const DEFAULT_MAX_EVENT_BYTES: usize = 1024 * 1024;
 
-fn check_tool_name(name: &str, field: &str) -> Result<(), ValidationError> {
+/// A tool name as §3 defines it: non-empty, at most 256 bytes, no control
+/// character. Also applied to the names audit queries ask about, which
+/// can match nothing else.
+pub fn check_tool_name(name: &str, field: &str) -> Result<(), ValidationError> {
     let problem = if name.is_empty() {
         Some("is empty".to_owned())
     } else if name.len() > MAX_TOOL_NAME_BYTES {

@@ -187,6 +187,26 @@ both_backends!(every_documented_status, |url: String| async move {
     let huge = json!({"expected_seq": 6, "events": [{"type": "prompt_submitted", "text": "x".repeat(100_000)}]});
     let (s, v) = post(&app, &uri, None, &huge).await;
     assert_error(s, &v, StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large");
+    // Announced too large: refused at once, before any body arrives (the
+    // body here would never come).
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<axum::body::Bytes, std::io::Error>>(1);
+    let never = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
+    let request = Request::builder()
+        .method(Method::POST)
+        .uri(&uri)
+        .header(header::CONTENT_TYPE, "application/json")
+        .header(header::CONTENT_LENGTH, "99999999999")
+        .body(never)
+        .unwrap();
+    let response = tokio::time::timeout(
+        std::time::Duration::from_secs(2),
+        app.clone().oneshot(request),
+    )
+    .await
+    .expect("answered at once")
+    .unwrap();
+    assert_eq!(response.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    drop(tx);
 
     // 415 without JSON, 400 for malformed JSON and bad ids.
     let (s, v, _) = call(&app, Method::POST, &uri, None, Some("text/plain"), "{}").await;
@@ -372,6 +392,13 @@ both_backends!(tokens_scopes_and_tenants, |url: String| async move {
     // 401 without a token, with an unknown one, with a malformed header.
     let (s, v) = post(&app, &uri, None, &body).await;
     assert_error(s, &v, StatusCode::UNAUTHORIZED, "unauthorized");
+    let response = app
+        .clone()
+        .oneshot(Request::builder().uri(&uri).body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(response.headers()[header::WWW_AUTHENTICATE], "Bearer");
     let (s, v) = post(&app, &uri, Some("tenant-a-writer-0123456788"), &body).await;
     assert_error(s, &v, StatusCode::UNAUTHORIZED, "unauthorized");
     assert!(

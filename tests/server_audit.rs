@@ -95,6 +95,17 @@ both_backends!(explain_and_refreshes_over_http, |url: String| async move {
     let app = app(&url).await;
     let id = seed(&app, A_WRITER).await;
 
+    // A name no event could carry is a mistake, not an unknown tool; a
+    // parameter a route does not take is one too.
+    let long = "t".repeat(300);
+    let (s, v) = get(&app, &format!("/v1/sessions/{id}/explain/{long}"), A_WRITER).await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY, "{v}");
+    assert_eq!(v["rule"], "bad-tool-name");
+    for route in ["refreshes", "recover"] {
+        let (s, v) = get(&app, &format!("/v1/sessions/{id}/{route}?x=1"), A_WRITER).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{route}: {v}");
+    }
+
     let (s, v) = get(
         &app,
         &format!("/v1/sessions/{id}/explain/web_fetch?at_prompt=2"),

@@ -106,7 +106,9 @@ pub(super) async fn refreshes(
     State(server): State<Server>,
     headers: HeaderMap,
     SessionPath(id): SessionPath,
+    q: Result<Query<super::NoQuery>, QueryRejection>,
 ) -> Result<Json<RefreshList>, ApiError> {
+    query(q)?;
     let (_, session_id) = server.session_for(&headers, Scope::Read, &id).await?;
     let mut refreshes = Vec::new();
     server

@@ -139,6 +139,7 @@ impl Server {
     /// `tower::Service` to serve or to call in-process.
     pub fn router(&self) -> Router {
         let timeout = self.inner.config.request_timeout;
+        let limit = self.inner.config.body_limit;
         Router::new()
             .route("/v1/sessions/{id}/events", post(append).get(history))
             .route("/v1/sessions/{id}/context", get(context))
@@ -160,6 +161,9 @@ impl Server {
             .layer(DefaultBodyLimit::max(self.inner.config.body_limit))
             .layer(middleware::from_fn(move |req: Request, next: Next| {
                 with_timeout(timeout, req, next)
+            }))
+            .layer(middleware::from_fn(move |req: Request, next: Next| {
+                refuse_announced_size(limit, req, next)
             }))
             .with_state(self.clone())
     }
@@ -227,6 +231,26 @@ async fn track(State(server): State<Server>, req: Request, next: Next) -> Respon
         .observe(started.elapsed().as_secs_f64());
     debug!(%route, %method, status, elapsed_ms = started.elapsed().as_millis() as u64, "request");
     response
+}
+
+/// Answers 413 at once when `Content-Length` announces a body over the
+/// limit, before waiting for a body that would be refused anyway (and
+/// before the request timeout could call it a slow append).
+async fn refuse_announced_size(limit: usize, req: Request, next: Next) -> Response {
+    let announced = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    match announced {
+        Some(n) if n > limit as u64 => ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+            format!("the body is {n} bytes, over the limit of {limit} bytes; send smaller batches"),
+        )
+        .into_response(),
+        _ => next.run(req).await,
+    }
 }
 
 /// Answers 503 `timeout` when a request takes longer than the limit to
@@ -786,10 +810,18 @@ async fn recover(
     State(server): State<Server>,
     headers: HeaderMap,
     SessionPath(id): SessionPath,
+    q: Result<Query<NoQuery>, QueryRejection>,
 ) -> Result<Json<Recovery>, ApiError> {
+    query(q)?;
     let (_, session_id) = server.session_for(&headers, Scope::Read, &id).await?;
     Ok(Json(server.inner.store.recover(session_id).await?))
 }
+
+/// The query of a route that takes no parameters: any is a mistake,
+/// answered 400 like an unknown parameter of the other routes.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NoQuery {}
 
 /// Query of the stream.
 #[derive(Debug, Deserialize, IntoParams)]

@@ -15,6 +15,9 @@ impl Store {
     /// why. Errors: [`Error::SessionNotFound`], [`Error::SeqOutOfRange`],
     /// [`Error::PromptOutOfRange`].
     pub async fn explain(&self, session_id: Uuid, tool: &str, at: At) -> Result<Explanation> {
+        // A name no event could carry (§3) is a mistake, not a tool that
+        // was never evidenced.
+        crate::validate::check_tool_name(tool, "tool")?;
         let mut auditor = Auditor::new(session_id);
         self.each_event(session_id, at, |e| {
             auditor.apply(e);
