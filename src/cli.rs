@@ -917,7 +917,21 @@ async fn run_on(
             };
             loop {
                 let page = match &mut subscription {
-                    Some(sub) => sub.next_batch().await?,
+                    // A follower outlives a short outage (a PostgreSQL
+                    // restart, a failover): it says so on stderr and reads
+                    // on from where it was, losing nothing.
+                    Some(sub) => {
+                        match sub.next_batch().await {
+                            Ok(page) => page,
+                            Err(e @ Error::Unavailable(_)) => {
+                                tracing::warn!(cause = %e, after, "storage unavailable; tail waits and reads on");
+                                eprintln!("session-store: {e}; waiting and reading on after position {after}");
+                                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                                continue;
+                            }
+                            Err(e) => return Err(e.into()),
+                        }
+                    }
                     None => store.feed(after, 1_000).await?,
                 };
                 let Some(last) = page.last() else { break };

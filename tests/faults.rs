@@ -427,3 +427,71 @@ fn postgres_writer_killed_between_commit_and_reply_gets_the_idempotent_answer() 
     };
     killed_between_commit_and_reply(&db.url);
 }
+
+#[test]
+fn postgres_tail_follow_outlives_a_server_restart() {
+    if std::env::var("TEST_DATABASE_URL").is_ok() {
+        eprintln!("this test needs its own server; it runs when TEST_DATABASE_URL is unset");
+        return;
+    }
+    let Some(bin) = common::find_pg_bin() else {
+        assert_ne!(
+            std::env::var("CI").as_deref(),
+            Ok("true"),
+            "CI=true needs PostgreSQL"
+        );
+        eprintln!("SKIPPED: no PostgreSQL binaries");
+        return;
+    };
+    let server = common::start_pg_server(&bin);
+    let url = server.url();
+    let store_bin = env!("CARGO_BIN_EXE_session-store");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let s = Uuid::new_v4();
+    rt.block_on(async {
+        let store = Store::open(&url).await.unwrap();
+        store.append(s, 0, vec![started()]).await.unwrap();
+        store.close().await;
+    });
+    let mut tail = std::process::Command::new(store_bin)
+        .args(["--database", &url, "tail", "--follow", "--json"])
+        .env_remove("DATABASE_URL")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = tail.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        use std::io::BufRead;
+        std::io::BufReader::new(stdout)
+            .lines()
+            .take(2)
+            .map(|l| l.unwrap())
+            .collect::<Vec<_>>()
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    server.stop();
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        tail.try_wait().unwrap().is_none(),
+        "tail --follow exited while the server was down"
+    );
+    server.launch().unwrap();
+    rt.block_on(async {
+        let store = Store::open(&url).await.unwrap();
+        store
+            .append(s, 1, vec![prompt("after the restart")])
+            .await
+            .unwrap();
+        store.close().await;
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !reader.is_finished() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = tail.kill();
+    let _ = tail.wait();
+    let lines = reader.join().unwrap();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert!(lines[1].contains("after the restart"), "{lines:?}");
+}

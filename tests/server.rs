@@ -738,6 +738,13 @@ both_backends!(
             [("event", "5"), ("event", "6"), ("activations", "6")]
         );
         assert_eq!(got[2].2["tools"][0]["name"], "web_fetch");
+        // Resuming at a refresh point (a client cut off between `event 6`
+        // and `activations 6`, which share the id) gets that set again.
+        let mut at_refresh =
+            open_stream(&app, &format!("/v1/sessions/{id}/stream"), Some("6")).await;
+        let got = read_sse(&mut at_refresh, 1).await;
+        assert_eq!((got[0].0.as_str(), got[0].1.as_str()), ("activations", "6"));
+        assert_eq!(got[0].2["tools"][0]["name"], "web_fetch");
         let mut from_start =
             open_stream(&app, &format!("/v1/sessions/{id}/stream?after_seq=0"), None).await;
         let got = read_sse(&mut from_start, 2).await;

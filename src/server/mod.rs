@@ -881,7 +881,15 @@ async fn stream(
     let store = &server.inner.store;
     let (state, announce) = match last_event_id.or(q.after_seq) {
         Some(0) => (SessionState::empty(session_id), false),
-        Some(after) => (store.state(session_id, Some(after)).await?, false),
+        // `event N` and `activations N` share the id N: a client cut off
+        // between the two resumes with N and must still get the set, so
+        // the set at a refresh point N is sent again (twice at most, the
+        // same set both times).
+        Some(after) => {
+            let state = store.state(session_id, Some(after)).await?;
+            let refresh = state.refresh_seq == after;
+            (state, refresh)
+        }
         None => (store.state(session_id, None).await?, true),
     };
     let (tx, rx) = mpsc::channel::<Result<SseEvent, Infallible>>(64);
