@@ -237,11 +237,13 @@ async fn sqlite_subscribers_poll_promptly() {
 /// The test owns its PostgreSQL: stopped in the middle of a load and started
 /// again, appends in flight fail with a retryable error, the writers'
 /// retries (same event ids) succeed, nothing is lost or duplicated.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_restart_in_the_middle_of_a_load_loses_nothing() {
+/// A throw-away PostgreSQL server of the test's own, which it may stop and
+/// start; `None` where the test cannot run: a shared server was given
+/// (`TEST_DATABASE_URL`), or no PostgreSQL binaries (never under CI=true).
+fn own_server() -> Option<common::PgServer> {
     if std::env::var("TEST_DATABASE_URL").is_ok() {
         eprintln!("this test needs its own server; it runs when TEST_DATABASE_URL is unset");
-        return;
+        return None;
     }
     let Some(bin) = common::find_pg_bin() else {
         assert_ne!(
@@ -250,9 +252,15 @@ async fn postgres_restart_in_the_middle_of_a_load_loses_nothing() {
             "CI=true needs PostgreSQL"
         );
         eprintln!("SKIPPED: no PostgreSQL binaries");
-        return;
+        return None;
     };
-    let server = Arc::new(common::start_pg_server(&bin));
+    Some(common::start_pg_server(&bin))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_restart_in_the_middle_of_a_load_loses_nothing() {
+    let Some(server) = own_server() else { return };
+    let server = Arc::new(server);
     let url = server.url();
     let store = Arc::new(Store::open(&url).await.unwrap());
     let sessions: Vec<Uuid> = (0..4).map(|_| Uuid::new_v4()).collect();
@@ -430,20 +438,7 @@ fn postgres_writer_killed_between_commit_and_reply_gets_the_idempotent_answer() 
 
 #[test]
 fn postgres_tail_follow_outlives_a_server_restart() {
-    if std::env::var("TEST_DATABASE_URL").is_ok() {
-        eprintln!("this test needs its own server; it runs when TEST_DATABASE_URL is unset");
-        return;
-    }
-    let Some(bin) = common::find_pg_bin() else {
-        assert_ne!(
-            std::env::var("CI").as_deref(),
-            Ok("true"),
-            "CI=true needs PostgreSQL"
-        );
-        eprintln!("SKIPPED: no PostgreSQL binaries");
-        return;
-    };
-    let server = common::start_pg_server(&bin);
+    let Some(server) = own_server() else { return };
     let url = server.url();
     let store_bin = env!("CARGO_BIN_EXE_session-store");
     let rt = tokio::runtime::Runtime::new().unwrap();
