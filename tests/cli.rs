@@ -12,8 +12,9 @@ use serde_json::Value;
 const BIN: &str = env!("CARGO_BIN_EXE_session-store");
 const EXAMPLES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/examples");
 
-fn run(url: &str, args: &[&str], stdin: Option<&str>) -> Output {
-    let mut child = Command::new(BIN)
+/// The binary on `url` with `args`, its standard streams piped.
+fn spawn(url: &str, args: &[&str]) -> std::process::Child {
+    Command::new(BIN)
         .arg("--database")
         .arg(url)
         .args(args)
@@ -22,7 +23,11 @@ fn run(url: &str, args: &[&str], stdin: Option<&str>) -> Output {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("run session-store");
+        .expect("run session-store")
+}
+
+fn run(url: &str, args: &[&str], stdin: Option<&str>) -> Output {
+    let mut child = spawn(url, args);
     {
         let mut input = child.stdin.take().unwrap();
         if let Some(text) = stdin {
@@ -721,14 +726,7 @@ fn import_keeps_the_lines_before_an_unreadable_or_oversized_line() {
     input.extend_from_slice(
         with_session(r#"{"type":"prompt_submitted","text":"never"}"#).as_bytes(),
     );
-    let mut child = Command::new(BIN)
-        .args(["--database", &db.url, "import"])
-        .env_remove("DATABASE_URL")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = spawn(&db.url, &["import"]);
     child.stdin.take().unwrap().write_all(&input).unwrap();
     let out = child.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
@@ -766,14 +764,7 @@ fn import_stores_a_producers_lines_as_they_come() {
     // A producer that has written 600 lines and is still running: the
     // first batch (500 lines) must be stored before its input ends.
     let db = common::sqlite_db();
-    let mut child = Command::new(BIN)
-        .args(["--database", &db.url, "import"])
-        .env_remove("DATABASE_URL")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = spawn(&db.url, &["import"]);
     let mut stdin = child.stdin.take().unwrap();
     let mut lines = vec![with_session(r#"{"type":"session_started","mode":"agent"}"#)];
     for i in 1..600 {
@@ -924,13 +915,7 @@ fn input_lines_skip_blank_lines_of_any_length_and_number_the_rest() {
 fn tail_follow_on_a_new_path_waits_for_the_first_events() {
     let dir = tempfile::tempdir().unwrap();
     let url = dir.path().join("new.db").display().to_string();
-    let mut tail = Command::new(BIN)
-        .args(["--database", &url, "tail", "--follow", "--json"])
-        .env_remove("DATABASE_URL")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut tail = spawn(&url, &["tail", "--follow", "--json"]);
     std::thread::sleep(Duration::from_millis(500));
     assert!(
         tail.try_wait().unwrap().is_none(),
