@@ -466,7 +466,9 @@ fn postgres_tail_follow_outlives_a_server_restart() {
     });
     std::thread::sleep(Duration::from_millis(500));
     server.stop();
-    std::thread::sleep(Duration::from_millis(1500));
+    // Longer than the store's 5 s connect timeout, so that the follower's
+    // reads fail as unavailable rather than wait the outage out.
+    std::thread::sleep(Duration::from_millis(7000));
     assert!(
         tail.try_wait().unwrap().is_none(),
         "tail --follow exited while the server was down"
