@@ -1202,14 +1202,19 @@ fn io(e: std::io::Error) -> CliError {
 }
 
 /// Reads non-blank lines with their 1-based line numbers.
-fn read_lines(file: Option<&PathBuf>) -> Result<Vec<(usize, String)>, CliError> {
-    let reader: Box<dyn BufRead> = match file {
+/// `file`, or standard input without one, for reading lines.
+fn open_input(file: Option<&PathBuf>) -> Result<Box<dyn BufRead>, CliError> {
+    Ok(match file {
         Some(path) => Box::new(std::io::BufReader::new(
             std::fs::File::open(path)
                 .map_err(|e| CliError::Io(format!("cannot read {}: {e}", path.display())))?,
         )),
         None => Box::new(std::io::BufReader::new(std::io::stdin())),
-    };
+    })
+}
+
+fn read_lines(file: Option<&PathBuf>) -> Result<Vec<(usize, String)>, CliError> {
+    let reader = open_input(file)?;
     let mut lines = Vec::new();
     for (i, line) in reader.lines().enumerate() {
         let line = line
@@ -1239,14 +1244,7 @@ pub struct InputLines {
 impl InputLines {
     /// The lines of `file`, or of standard input.
     pub fn open(file: Option<&PathBuf>, limit: usize) -> Result<InputLines, CliError> {
-        let reader: Box<dyn BufRead> = match file {
-            Some(path) => Box::new(std::io::BufReader::new(
-                std::fs::File::open(path)
-                    .map_err(|e| CliError::Io(format!("cannot read {}: {e}", path.display())))?,
-            )),
-            None => Box::new(std::io::BufReader::new(std::io::stdin())),
-        };
-        Ok(InputLines::new(reader, limit))
+        Ok(InputLines::new(open_input(file)?, limit))
     }
 
     /// The lines of `reader`.
@@ -1262,16 +1260,13 @@ impl InputLines {
 
     fn read_one(&mut self) -> Result<Option<(usize, String)>, CliError> {
         loop {
-            self.buf.clear();
             self.number += 1;
             let line = self.number;
-            // One byte past the limit and the newline: enough to know the
-            // line is too long without reading the rest of it.
-            let cap = self.limit as u64 + 2;
-            let read = <&mut Box<dyn BufRead> as std::io::Read>::take(&mut self.reader, cap)
-                .read_until(b'\n', &mut self.buf)
-                .map_err(|e| CliError::Io(format!("cannot read line {line} of the input: {e}")))?;
-            if read == 0 {
+            let mut buf = std::mem::take(&mut self.buf);
+            buf.clear();
+            let read = self.read_piece(&mut buf);
+            self.buf = buf;
+            if read? == 0 {
                 return Ok(None);
             }
             let ended = self.buf.last() == Some(&b'\n');
@@ -1318,23 +1313,32 @@ impl InputLines {
             }
         }
     }
-}
 
-impl InputLines {
+    /// Reads into `into` up to the end of the line, or one byte past the
+    /// limit and the newline: enough to know a line is too long without
+    /// reading the rest of it. Returns the bytes read (0 at the end).
+    fn read_piece(&mut self, into: &mut Vec<u8>) -> Result<usize, CliError> {
+        let cap = (self.limit as u64).saturating_add(2);
+        <&mut Box<dyn BufRead> as std::io::Read>::take(&mut self.reader, cap)
+            .read_until(b'\n', into)
+            .map_err(|e| {
+                CliError::Io(format!(
+                    "cannot read line {} of the input: {e}",
+                    self.number
+                ))
+            })
+    }
+
     /// A line over the limit that is blank so far: reads the rest of it (up
     /// to its newline, unless `ended` says it was read) a piece at a time,
     /// and says whether all of it was blank (a blank line is skipped
     /// whatever its length, as a short one is).
     fn blank_to_end_of_line(&mut self, mut ended: bool) -> Result<bool, CliError> {
-        let line = self.number;
         let mut piece = std::mem::take(&mut self.buf);
         let mut blank = piece.iter().all(u8::is_ascii_whitespace);
         while blank && !ended {
             piece.clear();
-            let cap = self.limit as u64 + 2;
-            let read = <&mut Box<dyn BufRead> as std::io::Read>::take(&mut self.reader, cap)
-                .read_until(b'\n', &mut piece)
-                .map_err(|e| CliError::Io(format!("cannot read line {line} of the input: {e}")))?;
+            let read = self.read_piece(&mut piece)?;
             ended = read == 0 || piece.last() == Some(&b'\n');
             blank = piece.iter().all(u8::is_ascii_whitespace);
         }

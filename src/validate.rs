@@ -13,6 +13,12 @@ pub const MAX_TOOL_NAME_BYTES: usize = 256;
 /// The default limit on one event's JSON text (§4).
 pub const DEFAULT_MAX_EVENT_BYTES: usize = 1024 * 1024;
 
+/// Whether `s` holds a control character as §3 counts them (U+0000–U+001F,
+/// U+007F), which no tool name may.
+pub fn has_control_char(s: &str) -> bool {
+    s.chars().any(|c| c <= '\u{1f}' || c == '\u{7f}')
+}
+
 /// A tool name as §3 defines it: non-empty, at most 256 bytes, no control
 /// character. Also applied to the names audit queries ask about, which
 /// can match nothing else.
@@ -24,7 +30,7 @@ pub fn check_tool_name(name: &str, field: &str) -> Result<(), ValidationError> {
             "is {} bytes long, over the limit of {MAX_TOOL_NAME_BYTES}",
             name.len()
         ))
-    } else if name.chars().any(|c| c <= '\u{1f}' || c == '\u{7f}') {
+    } else if has_control_char(name) {
         Some("holds a control character".to_owned())
     } else {
         None

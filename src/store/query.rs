@@ -462,7 +462,7 @@ impl Store {
         }
         // No tool name holds a control character (§3), so no row could
         // match one; PostgreSQL would also refuse U+0000 in the parameter.
-        let control = |s: &str| s.chars().any(|c| c <= '\u{1f}' || c == '\u{7f}');
+        let control = crate::validate::has_control_char;
         if let Some(tool) = q.tool.as_deref().filter(|t| control(t)) {
             return Err(bad(
                 "tool",
