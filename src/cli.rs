@@ -89,7 +89,7 @@ pub enum Command {
         /// The session's UUID.
         session: String,
         /// Answer as of this seq instead of the latest.
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true, value_parser = parse_at_seq)]
         at_seq: Option<i64>,
         /// Print the §9 JSON object.
         #[arg(long)]
@@ -100,7 +100,7 @@ pub enum Command {
         /// The session's UUID.
         session: String,
         /// Answer as of this seq instead of the latest.
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true, value_parser = parse_at_seq)]
         at_seq: Option<i64>,
         /// Print the §9 JSON object.
         #[arg(long)]
@@ -148,7 +148,7 @@ pub enum Command {
         /// The deferred tool.
         tool: String,
         /// Answer as of this seq instead of the latest.
-        #[arg(long, conflicts_with = "at_prompt")]
+        #[arg(long, conflicts_with = "at_prompt", allow_negative_numbers = true, value_parser = parse_at_seq)]
         at_seq: Option<i64>,
         /// Answer for the request of the K-th prompt (1-based).
         #[arg(long)]
@@ -432,6 +432,22 @@ fn store_exit_code(e: &Error) -> i32 {
     }
 }
 
+/// `--at-seq`: any whole number. One outside the session's seqs, however
+/// far (negative, or past `i64`), is the store's "not a seq of this
+/// session" (exit 1, SEMANTICS §9), not a usage error; past `i64` it is
+/// read as the farthest `i64`, which no session reaches.
+fn parse_at_seq(s: &str) -> Result<i64, String> {
+    let digits = s.strip_prefix('-').unwrap_or(s);
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(format!("{s:?} is not a whole number"));
+    }
+    Ok(s.parse::<i64>().unwrap_or(if s.starts_with('-') {
+        i64::MIN
+    } else {
+        i64::MAX
+    }))
+}
+
 fn parse_session(s: &str) -> Result<Uuid, CliError> {
     Uuid::parse_str(s).map_err(|_| CliError::Input(format!("{s:?} is not a session UUID")))
 }
@@ -693,19 +709,16 @@ async fn run_on(
             let mut events = Vec::new();
             let mut line_numbers = Vec::new();
             for (n, text) in &lines {
-                let parsed = parse_line(text, LineKind::Append, max_bytes)
-                    .map_err(|e| CliError::Line { line: *n, error: e })?;
-                if let Some(s) = parsed.session_id.filter(|s| *s != session) {
-                    return Err(CliError::Line {
-                        line: *n,
-                        error: ValidationError::new(
-                            Rule::MistypedField,
-                            Some("session_id"),
-                            format!("`session_id` {s} is not the session appended to ({session})"),
-                        ),
-                    });
+                match parse_line(text, LineKind::Append, max_bytes) {
+                    Ok(parsed) => events.push(parsed.event),
+                    Err(error) => {
+                        // SEMANTICS §2 judges the expected seq before the
+                        // events: an append of no events checks it (a
+                        // conflict answers first), then this line's error.
+                        store.append(session, expected_seq, Vec::new()).await?;
+                        return Err(CliError::Line { line: *n, error });
+                    }
                 }
-                events.push(parsed.event);
                 line_numbers.push(*n);
             }
             let outcome = store

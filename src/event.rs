@@ -261,7 +261,9 @@ pub struct StoredEvent {
 pub enum LineKind {
     /// `import`: `session_id` required, `recorded_at` allowed.
     Import,
-    /// `append`: `session_id` optional (must match), no `recorded_at`.
+    /// `append`: neither `session_id` nor `recorded_at` (§3: only an
+    /// `import` line may carry them; the session is the one appended to,
+    /// and the time is the store's).
     Append,
 }
 
@@ -410,6 +412,25 @@ pub fn parse_event_object(
             ));
         }
     }
+    if kind == LineKind::Append {
+        // Present at all, even as null: §3 rejects a field that is not the
+        // type's, and these two are only an import line's.
+        for (envelope, why) in [
+            (
+                "session_id",
+                "an append's events belong to the session it is made to",
+            ),
+            ("recorded_at", "the store records the time of an append"),
+        ] {
+            if map.contains_key(envelope) {
+                return Err(ValidationError::new(
+                    Rule::UnknownField,
+                    Some(envelope),
+                    format!("`{envelope}` is only accepted by import: {why}"),
+                ));
+            }
+        }
+    }
     let session_id = take_uuid(&mut map, "session_id")?;
     if kind == LineKind::Import && session_id.is_none() {
         return Err(ValidationError::new(
@@ -421,14 +442,6 @@ pub fn parse_event_object(
     let event_id = take_uuid(&mut map, "event_id")?;
     let recorded_at = match map.remove("recorded_at") {
         None | Some(Value::Null) => None,
-        Some(v) if kind == LineKind::Append => {
-            let _ = v;
-            return Err(ValidationError::new(
-                Rule::UnknownField,
-                Some("recorded_at"),
-                "`recorded_at` is only accepted by import",
-            ));
-        }
         Some(Value::String(s)) => {
             let t = DateTime::parse_from_rfc3339(&s)
                 .map(|t| t.with_timezone(&Utc))

@@ -103,24 +103,20 @@ pub fn check_recorded_at(t: &DateTime<Utc>) -> Result<(), ValidationError> {
     ))
 }
 
-/// The shape rules that need no session: non-empty modes and call ids,
-/// well-formed tool names, and no U+0000 where PostgreSQL could not store
-/// it.
+/// The shape rules that need no session: a non-empty mode at
+/// `session_started` and non-empty call ids, well-formed tool names, and no
+/// U+0000 where PostgreSQL could not store it. §3 asks for a non-empty
+/// `mode` only at `session_started`: a `mode_switched` or `catalog_defined`
+/// naming the mode `""` is taken as written (it is a mode no session starts
+/// in, and one a sidecar may still switch to and give a catalog).
 pub fn check_shape(body: &EventBody) -> Result<(), ValidationError> {
     check_no_nul(body)?;
     match body {
-        EventBody::SessionStarted { mode, .. } | EventBody::ModeSwitched { mode } => {
-            check_non_empty(mode, "mode")
-        }
-        EventBody::CatalogDefined {
-            mode,
-            deferred_tools,
-        } => {
-            check_non_empty(mode, "mode")?;
-            deferred_tools
-                .iter()
-                .try_for_each(|n| check_tool_name(n, "deferred_tools"))
-        }
+        EventBody::SessionStarted { mode, .. } => check_non_empty(mode, "mode"),
+        EventBody::ModeSwitched { .. } => Ok(()),
+        EventBody::CatalogDefined { deferred_tools, .. } => deferred_tools
+            .iter()
+            .try_for_each(|n| check_tool_name(n, "deferred_tools")),
         EventBody::ToolCall {
             call_id, tool_name, ..
         } => {

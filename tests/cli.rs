@@ -237,8 +237,8 @@ fn bad_input_is_rejected_with_a_clear_error_and_changes_nothing() {
             "bad-tool-name",
         ),
         (
-            "empty mode",
-            with_session(r#"{"type":"mode_switched","mode":""}"#),
+            "empty call id",
+            with_session(r#"{"type":"tool_call","call_id":"","tool_name":"Read","input":null}"#),
             "empty-field",
         ),
         (
@@ -387,10 +387,31 @@ fn append_prints_seqs_and_a_conflict_exits_3() {
             "{backend}: {}",
             stderr(&out)
         );
-        // A line naming another session is refused, and the batch with it.
+        // A line naming a session, even the one appended to, or a time is
+        // refused (§3: only import lines carry them), and the batch with it.
         let other = r#"{"session_id":"99999999-2222-4333-8444-555555555555","type":"prompt_submitted","text":"x"}"#;
-        let out = run(&db.url, &["append", S, "--expected-seq", "3"], Some(other));
-        assert_eq!(out.status.code(), Some(1), "{backend}");
+        let own = format!(r#"{{"session_id":"{S}","type":"prompt_submitted","text":"x"}}"#);
+        let timed = r#"{"type":"prompt_submitted","text":"x","recorded_at":null}"#;
+        for line in [other, &own, timed] {
+            let out = run(&db.url, &["append", S, "--expected-seq", "3"], Some(line));
+            assert_eq!(out.status.code(), Some(1), "{backend}: {line}");
+            assert!(
+                stderr(&out).contains("only accepted by import"),
+                "{backend}: {}",
+                stderr(&out)
+            );
+        }
+        // §2: a stale expected seq is judged before the events, so a stale
+        // writer with an unreadable line hears of the conflict first.
+        for bad in [
+            "not json",
+            r#"{"type":"tool_call","call_id":"c","tool_name":"t"}"#,
+        ] {
+            let out = run(&db.url, &["append", S, "--expected-seq", "1"], Some(bad));
+            assert_eq!(out.status.code(), Some(3), "{backend}: {}", stderr(&out));
+            let out = run(&db.url, &["append", S, "--expected-seq", "3"], Some(bad));
+            assert_eq!(out.status.code(), Some(1), "{backend}: {}", stderr(&out));
+        }
         // An invalid second line rejects the whole batch and names line 2.
         let batch = "{\"type\":\"prompt_submitted\",\"text\":\"ok\"}\n{\"type\":\"tool_result\",\"call_id\":\"x\",\"tool_name\":\"y\",\"status\":\"success\"}";
         let out = run(&db.url, &["append", S, "--expected-seq", "3"], Some(batch));
@@ -413,9 +434,26 @@ fn not_found_out_of_range_and_usage_have_their_exit_codes() {
         assert_eq!(out.status.code(), Some(1), "{backend}");
         assert!(stderr(&out).contains("not found"), "{}", stderr(&out));
         run(&db.url, &["import"], Some(&base_log()));
-        let out = run(&db.url, &["context", S, "--at-seq", "8", "--json"], None);
-        assert_eq!(out.status.code(), Some(1), "{backend}");
-        assert!(stderr(&out).contains("out of range"), "{}", stderr(&out));
+        // Any whole number that is not a seq of the session is exit 1
+        // (§9), negative or past i64 too; a word is a usage error.
+        for at in [
+            "8",
+            "0",
+            "-1",
+            "99999999999999999999",
+            "-99999999999999999999",
+        ] {
+            let out = run(&db.url, &["context", S, "--at-seq", at, "--json"], None);
+            assert_eq!(
+                out.status.code(),
+                Some(1),
+                "{backend} {at}: {}",
+                stderr(&out)
+            );
+            assert!(stderr(&out).contains("out of range"), "{}", stderr(&out));
+        }
+        let out = run(&db.url, &["activations", S, "--at-seq", "five"], None);
+        assert_eq!(out.status.code(), Some(2), "{backend}");
         let out = run(&db.url, &["context", S, "--at-seq", "5", "--json"], None);
         let v: Value = serde_json::from_str(&stdout(&out)).unwrap();
         assert_eq!(v["as_of_seq"], 5);

@@ -429,9 +429,16 @@ fn bad_uuid_in_event_id_is_rejected() {
 
 #[test]
 fn bad_uuid_in_session_id_is_rejected() {
+    let e = parse_event_object(
+        object(json!({"type": "prompt_submitted", "text": "x", "session_id": "0123-4567"})),
+        LineKind::Import,
+    )
+    .unwrap_err();
+    assert_rule(&e, Rule::BadUuid, Some("session_id"));
+    // On an append line any session_id is one field too many (§3).
     let e = parse_err(json!({"type": "prompt_submitted", "text": "x",
                              "session_id": "0123-4567"}));
-    assert_rule(&e, Rule::BadUuid, Some("session_id"));
+    assert_rule(&e, Rule::UnknownField, Some("session_id"));
     let e = parse_line(
         r#"{"session_id": "zzzzzzzz-zzzz-zzzz-zzzz-zzzzzzzzzzzz", "type": "prompt_submitted", "text": "x"}"#,
         LineKind::Import,
@@ -826,16 +833,23 @@ fn printable_tool_name_is_accepted() {
 }
 
 #[test]
-fn empty_mode_is_rejected() {
+fn empty_mode_is_rejected_only_at_session_started() {
     let empty = Log::empty();
     assert_rule(&empty.reject(started("")), Rule::EmptyField, Some("mode"));
+    // §3 asks for a non-empty `mode` at `session_started` only.
     let log = Log::start("agent");
-    assert_rule(&log.reject(switch("")), Rule::EmptyField, Some("mode"));
-    assert_rule(
-        &log.reject(catalog("", &["web_fetch"])),
-        Rule::EmptyField,
-        Some("mode"),
-    );
+    check_shape(&switch("")).expect("a switch to the mode \"\" is valid");
+    check_shape(&catalog("", &["web_fetch"])).expect("a catalog of the mode \"\" is valid");
+    let mut log = log;
+    log.push(catalog("", &["web_fetch"]));
+    log.push(switch(""));
+    log.push(call("c1", "web_fetch"));
+    log.push(result("c1", "web_fetch", "success", &[]));
+    log.push(prompt("next"));
+    let state = log.state();
+    assert_eq!(state.mode, "");
+    let active: Vec<String> = state.activation_set().into_iter().map(|a| a.name).collect();
+    assert_eq!(active, vec!["web_fetch".to_owned()]);
 }
 
 #[test]

@@ -354,8 +354,8 @@ pub struct AppendRequest {
     expected_seq: i64,
     /// The batch, appended atomically, in order. Each event is a SEMANTICS
     /// §3 object: `type`, its payload, optionally `event_id` (give one so a
-    /// retry is idempotent); never `session_id` other than the path's,
-    /// `seq`, `position` or `recorded_at`.
+    /// retry is idempotent); never `session_id` (the path names the
+    /// session), `recorded_at`, `seq` or `position`.
     events: Vec<EventInput>,
 }
 
@@ -405,9 +405,15 @@ impl From<&Appended> for AppendedEvent {
     }
 }
 
+/// An append body's events, or the first thing wrong with one of them.
+type ParsedEvents = Result<Vec<NewEvent>, ApiError>;
+
 /// Parses an append body into `(expected_seq, events)`, with the rule,
-/// field and batch index of whatever is wrong.
-fn parse_append(body: &[u8], session_id: Uuid) -> Result<(i64, Vec<NewEvent>), ApiError> {
+/// field and batch index of whatever is wrong. A body whose envelope is
+/// wrong is an error at once; an event that is wrong is returned as the
+/// inner error, judged only after the expected seq (SEMANTICS §2: a stale
+/// writer hears of the conflict first).
+fn parse_append(body: &[u8]) -> Result<(i64, ParsedEvents), ApiError> {
     let value: Value = serde_json::from_slice(body)
         .and_then(|v| crate::event::check_unique_keys(body).map(|()| v))
         .map_err(|e| {
@@ -479,6 +485,10 @@ fn parse_append(body: &[u8], session_id: Uuid) -> Result<(i64, Vec<NewEvent>), A
             format!("unknown field `{unknown}`: the body has `expected_seq` and `events` only"),
         ));
     }
+    Ok((expected_seq, parse_events(events)))
+}
+
+fn parse_events(events: Vec<Value>) -> ParsedEvents {
     let mut batch = Vec::with_capacity(events.len());
     for (i, e) in events.into_iter().enumerate() {
         let Value::Object(obj) = e else {
@@ -493,23 +503,9 @@ fn parse_append(body: &[u8], session_id: Uuid) -> Result<(i64, Vec<NewEvent>), A
         };
         let parsed = parse_event_object(obj, LineKind::Append)
             .map_err(|v| ApiError::invalid(&v.at_index(i)))?;
-        if let Some(other) = parsed.session_id {
-            if other != session_id {
-                return Err(ApiError::invalid(
-                    &ValidationError::new(
-                        Rule::UnknownField,
-                        Some("session_id"),
-                        format!(
-                            "`session_id` {other} differs from the session in the path ({session_id}); leave it out"
-                        ),
-                    )
-                    .at_index(i),
-                ));
-            }
-        }
         batch.push(parsed.event);
     }
-    Ok((expected_seq, batch))
+    Ok(batch)
 }
 
 /// A JSON value's kind, for error sentences (never the value itself,
@@ -590,9 +586,16 @@ async fn append(
     let session_id = parse_session_id(&id)?;
     require_json(&headers)?;
     let body = body.map_err(|e| body_error(e, server.inner.config.body_limit))?;
-    let (expected_seq, events) = parse_append(&body, session_id).inspect_err(|_| {
+    let (expected_seq, parsed) = parse_append(&body).inspect_err(|_| {
         server.inner.metrics.append_outcome("invalid");
     })?;
+    let (events, invalid) = match parsed {
+        Ok(events) => (events, None),
+        // Judged with no events: the tenant, then the expected seq (a
+        // conflict, or another tenant's session, answers first), then
+        // this error.
+        Err(e) => (Vec::new(), Some(e)),
+    };
     let refreshes = events.iter().filter(|e| e.body.is_refresh_point()).count() as u64;
     let n = events.len() as u64;
 
@@ -621,8 +624,12 @@ async fn append(
     })?;
     let m = &server.inner.metrics;
     m.append_seconds.observe(started.elapsed().as_secs_f64());
-    match result {
-        Ok(outcome) => {
+    match (result, invalid) {
+        (Ok(_), Some(invalid)) => {
+            m.append_outcome("invalid");
+            Err(invalid)
+        }
+        (Ok(outcome), None) => {
             if outcome.replayed {
                 m.append_outcome("replayed");
             } else {
@@ -637,7 +644,7 @@ async fn append(
             };
             Ok((StatusCode::CREATED, Json(body)).into_response())
         }
-        Err(e) => {
+        (Err(e), _) => {
             m.append_outcome(match &e {
                 Error::Conflict { .. } => "conflict",
                 Error::Invalid(_) => "invalid",
