@@ -204,8 +204,8 @@ pub enum Command {
         /// Start after this seq.
         #[arg(long, default_value_t = 0)]
         after_seq: i64,
-        /// Print at most this many events.
-        #[arg(long)]
+        /// Print at most this many events (all of them without it).
+        #[arg(long, value_parser = clap::value_parser!(i64).range(1..))]
         limit: Option<i64>,
         /// Print JSON lines, one stored event each.
         #[arg(long)]
@@ -249,7 +249,8 @@ pub enum AuditCommand {
     /// view-drift.
     Anomalies {
         /// unanswered-call, unknown-evidence-name or view-drift.
-        kind: String,
+        #[arg(value_parser = parse_anomaly)]
+        kind: AnomalyKind,
         /// The narrowing every audit query takes.
         #[command(flatten)]
         scope: ScopeArgs,
@@ -271,8 +272,8 @@ pub struct ScopeArgs {
     /// Only rows recorded before this time (RFC 3339).
     #[arg(long, value_parser = parse_time)]
     pub until: Option<chrono::DateTime<chrono::Utc>>,
-    /// Rows per page.
-    #[arg(long, default_value_t = 100)]
+    /// Rows per page (1 to 1000).
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..=crate::store::query::MAX_PAGE))]
     pub limit: i64,
     /// The cursor a previous page printed as `next`.
     #[arg(long)]
@@ -280,6 +281,14 @@ pub struct ScopeArgs {
     /// Print the page as one JSON object.
     #[arg(long)]
     pub json: bool,
+}
+
+fn parse_anomaly(s: &str) -> Result<AnomalyKind, String> {
+    AnomalyKind::parse(s).ok_or_else(|| {
+        format!(
+            "unknown anomaly {s:?}: expected unanswered-call, unknown-evidence-name or view-drift"
+        )
+    })
 }
 
 fn parse_time(s: &str) -> Result<chrono::DateTime<chrono::Utc>, String> {
@@ -330,11 +339,11 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = crate::server::DEFAULT_BODY_LIMIT)]
     pub body_limit: usize,
     /// Seconds a request may take before it answers 503.
-    #[arg(long, default_value_t = 30.0)]
-    pub request_timeout: f64,
+    #[arg(long, default_value = "30", value_parser = parse_seconds)]
+    pub request_timeout: std::time::Duration,
     /// Seconds shutdown waits for in-flight requests and appends.
-    #[arg(long, default_value_t = 30.0)]
-    pub shutdown_grace: f64,
+    #[arg(long, default_value = "30", value_parser = parse_seconds)]
+    pub shutdown_grace: std::time::Duration,
 }
 
 /// Which backends `bench` measures.
@@ -403,6 +412,10 @@ pub enum CliError {
     /// `bench` could not run.
     #[error("{0}")]
     Bench(#[from] crate::bench::BenchError),
+    /// The reader of the output went away (`| head`): the command stops
+    /// quietly, with exit 0, as `head`'s user asked for no more.
+    #[error("the reader of the output closed it")]
+    OutputClosed,
 }
 
 impl CliError {
@@ -411,6 +424,7 @@ impl CliError {
         match self {
             CliError::Store(e) => store_exit_code(e),
             CliError::Drift(_) => 5,
+            CliError::OutputClosed => 0,
             CliError::Bench(crate::bench::BenchError::Store(e)) => store_exit_code(e),
             CliError::Bench(_) => 4,
             _ => 1,
@@ -489,6 +503,13 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
         }
         _ => {}
     }
+    // An input file that cannot be read is said before the store is
+    // opened: a mistyped path must not leave a new, empty store behind.
+    if let Command::Import { file: Some(f), .. } | Command::Append { file: Some(f), .. } =
+        &cli.command
+    {
+        open_input(Some(f))?;
+    }
     let store = Store::open_with(&cli.database, options).await?;
     let result = run_on(&store, cli.command, cli.max_event_bytes, out).await;
     store.close().await;
@@ -506,11 +527,26 @@ fn export_line(e: &crate::event::StoredEvent) -> serde_json::Value {
     v
 }
 
-fn seconds(flag: &str, v: f64) -> Result<std::time::Duration, CliError> {
+/// The longest wait a seconds flag takes: a year. Beyond it a deadline
+/// is no longer a deadline, and far enough out it overflows the clock.
+const MAX_SECONDS: f64 = 365.0 * 24.0 * 3600.0;
+
+/// A seconds flag (`--request-timeout`, `--shutdown-grace`): a number
+/// above 0, at most a year; a value it cannot take is a usage error.
+fn parse_seconds(s: &str) -> Result<std::time::Duration, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    if !(v > 0.0 && v <= MAX_SECONDS) {
+        return Err(format!(
+            "{s} is out of range: the flag takes seconds above 0, at most {MAX_SECONDS} (a year)"
+        ));
+    }
     std::time::Duration::try_from_secs_f64(v)
         .ok()
         .filter(|d| !d.is_zero())
-        .ok_or_else(|| CliError::Input(format!("--{flag} must be a positive number of seconds")))
+        .ok_or_else(|| format!("{s} seconds is too short to wait for"))
 }
 
 /// Reads the tokens: `--tokens FILE` (or SESSION_STORE_TOKENS_FILE), else
@@ -555,8 +591,8 @@ async fn serve(
     let config = ServerConfig {
         tokens,
         body_limit: args.body_limit,
-        request_timeout: seconds("request-timeout", args.request_timeout)?,
-        shutdown_grace: seconds("shutdown-grace", args.shutdown_grace)?,
+        request_timeout: args.request_timeout,
+        shutdown_grace: args.shutdown_grace,
     };
     let store = std::sync::Arc::new(Store::open_with(database, options).await?);
     let listener = tokio::net::TcpListener::bind(args.listen)
@@ -897,15 +933,15 @@ async fn run_on(
                 Some(_) if json => {}
                 Some(r) => writeln!(
                     out,
-                    "the views of {} sessions agree with the log; the hash chains of {} events are intact",
-                    sessions.len(),
-                    r.events
+                    "the views of {} agree with the log; the hash chains of {} are intact",
+                    count(sessions.len(), "session"),
+                    count(r.events as usize, "event")
                 )
                 .map_err(io)?,
                 None => writeln!(
                     out,
-                    "the views of {} sessions agree with the log",
-                    sessions.len()
+                    "the views of {} agree with the log",
+                    count(sessions.len(), "session")
                 )
                 .map_err(io)?,
             }
@@ -1101,11 +1137,6 @@ async fn audit(store: &Store, query: AuditCommand, out: &mut dyn Write) -> Resul
             print_next(out, page.next)
         }
         AuditCommand::Anomalies { kind, scope } => {
-            let kind = AnomalyKind::parse(&kind).ok_or_else(|| {
-                CliError::Input(format!(
-                    "unknown anomaly {kind:?}: expected unanswered-call, unknown-evidence-name or view-drift"
-                ))
-            })?;
             let page = store
                 .audit_anomalies(&AnomalyQuery {
                     scope: scope.scope()?,
@@ -1211,7 +1242,10 @@ fn print_json<T: serde::Serialize>(out: &mut dyn Write, value: &T) -> Result<(),
 }
 
 fn io(e: std::io::Error) -> CliError {
-    CliError::Io(format!("cannot write the output: {e}"))
+    match e.kind() {
+        std::io::ErrorKind::BrokenPipe => CliError::OutputClosed,
+        _ => CliError::Io(format!("cannot write the output: {e}")),
+    }
 }
 
 /// Reads non-blank lines with their 1-based line numbers.

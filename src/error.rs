@@ -271,3 +271,10 @@ impl Error {
 
 /// Shorthand for store results.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// `s` as a JSON string, for messages that quote what a caller sent: a
+/// control character shows as `\u0001`, as in the JSON it came in, not in
+/// Rust's `\u{1}`.
+pub fn quoted(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_else(|_| format!("{s:?}"))
+}

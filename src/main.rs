@@ -13,6 +13,9 @@ fn main() {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        // Colours only for a person at a terminal: a log file or a
+        // collector gets plain text, not escape codes.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -29,6 +32,7 @@ fn main() {
     let mut out = stdout.lock();
     let code = match runtime.block_on(run(cli, &mut out)) {
         Ok(()) => 0,
+        Err(session_store::cli::CliError::OutputClosed) => 0,
         Err(e) => {
             eprintln!("session-store: {e}");
             e.exit_code()

@@ -499,14 +499,20 @@ fn unreachable_storage_exits_4_within_seconds() {
         "{}",
         stderr(&out)
     );
-    // A file that cannot be created: storage unavailable for a command
-    // that writes, no store there for one that reads.
+    // A file in a directory that does not exist: the caller's mistake
+    // (exit 1, naming the directory) for a command that writes, no store
+    // there for one that reads.
     let out = run(
         "/nonexistent-dir/x/store.db",
         &["import"],
         Some(&base_log()),
     );
-    assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("the directory /nonexistent-dir/x does not exist"),
+        "{}",
+        stderr(&out)
+    );
     let out = run("/nonexistent-dir/x/store.db", &["activations", S], None);
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     assert!(
@@ -911,6 +917,30 @@ fn a_path_that_holds_no_session_store_is_refused_and_left_alone() {
         "{}",
         stderr(&out)
     );
+    // A store in a directory that does not exist is the caller's mistake
+    // (exit 1, said so), not a storage outage (exit 4).
+    for (bad, says) in [
+        (path("missing/s.db"), "does not exist"),
+        (format!("{text}/s.db"), "is not a directory"),
+    ] {
+        let out = run(&bad, &["migrate"], None);
+        assert_eq!(out.status.code(), Some(1), "{bad}: {}", stderr(&out));
+        assert!(stderr(&out).contains(says), "{bad}: {}", stderr(&out));
+    }
+    // An input file that cannot be read leaves no new store behind.
+    let unread = path("unread.db");
+    for args in [
+        vec!["import", "no-such-file.jsonl"],
+        vec!["append", S, "--expected-seq", "0", "no-such-file.jsonl"],
+    ] {
+        let out = run(&unread, &args, None);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", stderr(&out));
+        assert!(stderr(&out).contains("cannot read"), "{}", stderr(&out));
+        assert!(
+            !std::path::Path::new(&unread).exists(),
+            "{args:?} made a store"
+        );
+    }
     // A new path is created by the commands that write, and read after.
     let new = path("new.db");
     assert!(run(&new, &["import"], Some(&base_log())).status.success());
@@ -1020,4 +1050,34 @@ fn a_store_its_reader_cannot_write_is_refused_with_the_reason() {
         "{}",
         stderr(&out)
     );
+}
+
+#[test]
+fn a_reader_that_closes_the_output_early_ends_the_command_quietly() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = dir.path().join("s.db").display().to_string();
+    // About 200 KB of history: more than a pipe holds.
+    let mut lines = vec![format!(
+        r#"{{"session_id":"{S}","type":"session_started","mode":"agent"}}"#
+    )];
+    let text = "x".repeat(200);
+    for i in 0..1000 {
+        lines.push(format!(
+            r#"{{"session_id":"{S}","type":"prompt_submitted","text":"{i} {text}"}}"#
+        ));
+    }
+    let out = run(&url, &["import"], Some(&lines.join("\n")));
+    assert!(out.status.success(), "{}", stderr(&out));
+    for args in [vec!["history", S, "--json"], vec!["export", S]] {
+        let mut child = spawn(&url, &args);
+        drop(child.stdin.take());
+        let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut first = String::new();
+        std::io::BufRead::read_line(&mut stdout, &mut first).unwrap();
+        assert!(first.contains("session_started"), "{first}");
+        drop(stdout);
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {}", stderr(&out));
+        assert_eq!(stderr(&out), "", "{args:?}");
+    }
 }

@@ -104,6 +104,35 @@ both_backends!(explain_and_refreshes_over_http, |url: String| async move {
     for route in ["refreshes", "recover"] {
         let (s, v) = get(&app, &format!("/v1/sessions/{id}/{route}?x=1"), A_WRITER).await;
         assert_eq!(s, StatusCode::BAD_REQUEST, "{route}: {v}");
+        assert_eq!(
+            v["message"], "unknown query parameter `x`: this request takes none",
+            "{route}: {v}"
+        );
+    }
+    // A query parameter the framework cannot read is said in a sentence
+    // that names it and what it takes.
+    for (uri, says) in [
+        (
+            format!("/v1/sessions/{id}/explain/web_fetch?at_seq=abc"),
+            "the query parameter `at_seq` is not valid: invalid digit found in string (it takes a whole number)",
+        ),
+        (
+            "/v1/audit/events?since=yesterday".to_owned(),
+            "the query parameter `since` is not valid",
+        ),
+        (
+            "/v1/audit/events?color=red".to_owned(),
+            "unknown query parameter `color`: this request takes `",
+        ),
+    ] {
+        let token = if uri.contains("audit") { A_AUDITOR } else { A_WRITER };
+        let (s, v) = get(&app, &uri, token).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{uri}: {v}");
+        let m = v["message"].as_str().unwrap_or_default();
+        assert!(m.starts_with(says), "{uri}: {m}");
+        if uri.contains("since") {
+            assert!(m.contains("RFC 3339"), "{m}");
+        }
     }
 
     let (s, v) = get(

@@ -691,7 +691,7 @@ both_backends!(
 );
 
 both_backends!(
-    audit_changes_refuse_a_tool_filter_with_a_control_character,
+    audit_changes_refuse_a_tool_name_no_event_could_carry,
     |url: String| async move {
         use session_store::store::query::{ChangeQuery, Scope};
         let store = Store::open(&url).await.unwrap();
@@ -704,24 +704,31 @@ both_backends!(
             limit: 10,
             ..Scope::default()
         };
-        for (q, field) in [
-            (
-                ChangeQuery {
-                    scope: scope.clone(),
-                    tool: Some("web\u{0}fetch".into()),
-                    ..ChangeQuery::default()
-                },
-                "tool",
-            ),
-            (
-                ChangeQuery {
-                    scope: scope.clone(),
-                    after: Some("3:web\u{0}fetch".into()),
-                    ..ChangeQuery::default()
-                },
-                "after",
-            ),
-        ] {
+        // Names no event could carry (§3): with a control character, empty,
+        // or over 256 bytes.
+        let impossible = ["web\u{0}fetch".to_owned(), String::new(), "t".repeat(257)];
+        let mut cases: Vec<(ChangeQuery, &str)> = impossible
+            .iter()
+            .map(|name| {
+                (
+                    ChangeQuery {
+                        scope: scope.clone(),
+                        tool: Some(name.clone()),
+                        ..ChangeQuery::default()
+                    },
+                    "tool",
+                )
+            })
+            .collect();
+        cases.extend([(
+            ChangeQuery {
+                scope: scope.clone(),
+                after: Some("3:web\u{0}fetch".into()),
+                ..ChangeQuery::default()
+            },
+            "after",
+        )]);
+        for (q, field) in cases {
             let err = store.audit_changes(&q).await.unwrap_err();
             assert!(
                 matches!(&err, Error::Invalid(v) if v.field.as_deref() == Some(field)),

@@ -341,9 +341,43 @@ fn parse_session_id(id: &str) -> Result<Uuid, ApiError> {
     })
 }
 
-fn query<T>(q: Result<Query<T>, QueryRejection>) -> Result<T, ApiError> {
+pub(crate) fn query<T>(q: Result<Query<T>, QueryRejection>) -> Result<T, ApiError> {
     q.map(|Query(t)| t)
-        .map_err(|e| ApiError::bad_request(format!("bad query string: {}", e.body_text())))
+        .map_err(|e| ApiError::bad_request(query_message(&e.body_text())))
+}
+
+/// The framework's query rejection ("Failed to deserialize query string:
+/// at_seq: invalid digit found in string") as a sentence that names the
+/// parameter and what it takes.
+fn query_message(text: &str) -> String {
+    let text = text
+        .strip_prefix("Failed to deserialize query string: ")
+        .unwrap_or(text);
+    // "x: unknown field `x`, expected one of `a`, `b`" / ", there are no fields"
+    if let Some(i) = text.find("unknown field `") {
+        let rest = &text[i + "unknown field `".len()..];
+        let (name, tail) = rest.split_once('`').unwrap_or((rest, ""));
+        let name: String = name.chars().take(80).collect();
+        return match tail.strip_prefix(", expected one of ") {
+            Some(list) => format!("unknown query parameter `{name}`: this request takes {list}"),
+            None if tail.contains("there are no fields") => {
+                format!("unknown query parameter `{name}`: this request takes none")
+            }
+            None => format!("unknown query parameter `{name}`"),
+        };
+    }
+    match text.split_once(": ") {
+        Some((field, why)) if !field.is_empty() && !field.contains(' ') => {
+            let takes = match field {
+                "since" | "until" => " (it takes an RFC 3339 time such as 2026-12-01T00:00:00Z)",
+                "at_seq" | "at_prompt" | "after_seq" | "from_position" | "to_position"
+                | "limit" => " (it takes a whole number)",
+                _ => "",
+            };
+            format!("the query parameter `{field}` is not valid: {why}{takes}")
+        }
+        _ => format!("bad query string: {text}"),
+    }
 }
 
 /// The body of `POST /v1/sessions/{id}/events`.

@@ -144,8 +144,11 @@ async fn verify_in<T: LogTx>(mut tx: T, only: Option<Uuid>) -> Result<IntegrityR
     let (count, max, handed_out) = tx.position_summary().await?;
     if count != max {
         report.log_problems.push(format!(
-            "the log holds {count} events but its positions run to {max}: {} rows were deleted",
-            max - count
+            "the log holds {count} events but its positions run to {max}: {} deleted",
+            match max - count {
+                1 => "1 row was".to_owned(),
+                n => format!("{n} rows were"),
+            }
         ));
     } else if handed_out != max {
         report.log_problems.push(format!(

@@ -1281,10 +1281,11 @@ async fn judge_and_write<T: LogTx>(
             "every event of the batch is already stored, but in another order".to_owned()
         } else {
             format!(
-                    "{} of the batch's {} events are already stored; retry exactly the batch that was sent, or only the new events",
-                    answer.len(),
-                    events.len()
-                )
+                "{} of the batch's {} events {} already stored; retry exactly the batch that was sent, or only the new events",
+                answer.len(),
+                events.len(),
+                if answer.len() == 1 { "is" } else { "are" }
+            )
         };
         return Err(
             ValidationError::new(Rule::PartlyStoredBatch, Some("event_id"), message).into(),

@@ -460,26 +460,27 @@ impl Store {
                 ));
             }
         }
-        // No tool name holds a control character (§3), so no row could
-        // match one; PostgreSQL would also refuse U+0000 in the parameter.
-        let control = crate::validate::has_control_char;
-        if let Some(tool) = q.tool.as_deref().filter(|t| control(t)) {
-            return Err(bad(
-                "tool",
-                format!("{tool:?} holds a control character, which no tool name does"),
-            ));
+        // A name no event could carry (§3: empty, over 256 bytes, or with
+        // a control character) can match no row: said, not answered with
+        // an empty page. PostgreSQL would also refuse U+0000 in the
+        // parameter.
+        if let Some(tool) = q.tool.as_deref() {
+            crate::validate::check_tool_name(tool, "tool")?;
         }
         let after = match &q.after {
             None => None,
             Some(cursor) => Some(
                 cursor
                     .split_once(':')
-                    .filter(|(_, t)| !control(t))
+                    .filter(|(_, t)| !crate::validate::has_control_char(t))
                     .and_then(|(p, t)| Some((p.parse::<i64>().ok()?, t.to_owned())))
                     .ok_or_else(|| {
                         bad(
                             "after",
-                            format!("{cursor:?} is not a cursor of this query (POSITION:TOOL)"),
+                            format!(
+                                "{} is not a cursor of this query (POSITION:TOOL)",
+                                crate::error::quoted(cursor)
+                            ),
                         )
                     })?,
             ),

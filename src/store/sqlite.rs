@@ -209,6 +209,36 @@ const STORE_TABLES: [&str; 8] = [
     "changes_backfill",
 ];
 
+/// Where a new store file would go: a missing directory is the caller's
+/// mistake (exit 1), said as such, not the "unable to open database file"
+/// of a storage outage.
+fn check_parent(path: &str) -> Result<()> {
+    let parent = match std::path::Path::new(path).parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => return Ok(()),
+    };
+    match std::fs::metadata(parent) {
+        Ok(meta) if !meta.is_dir() => Err(Error::NotAStore(format!(
+            "cannot create a session store at {path}: {} is not a directory",
+            parent.display()
+        ))),
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+            ) =>
+        {
+            Err(Error::NotAStore(format!(
+                "cannot create a session store at {path}: the directory {} does not exist",
+                parent.display()
+            )))
+        }
+        // A directory, or one that cannot be looked at: the connection
+        // says what is wrong with it.
+        _ => Ok(()),
+    }
+}
+
 /// Refuses a path that holds no session store before anything is written
 /// to it: opening turns a file into WAL mode and migrates it, which must
 /// not happen to another application's database named by mistake.
@@ -230,9 +260,14 @@ async fn check_file(url: &str, create: bool) -> Result<()> {
     let path = name.as_ref();
     let meta = match std::fs::metadata(path) {
         Ok(meta) => meta,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+            ) =>
+        {
             return match create {
-                true => Ok(()),
+                true => check_parent(path),
                 false => Err(Error::NotAStore(format!(
                     "there is no session store at {path}: the file does not exist (import, append and migrate create one)"
                 ))),
