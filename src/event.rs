@@ -322,7 +322,10 @@ pub fn check_unique_keys(text: &[u8]) -> Result<(), serde_json::Error> {
             let mut seen = std::collections::HashSet::new();
             while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
                 if !seen.insert(key.clone()) {
-                    return Err(A::Error::custom(format!("the key {key:?} appears twice")));
+                    return Err(A::Error::custom(format!(
+                        "the key {} appears twice",
+                        crate::error::quoted(&key)
+                    )));
                 }
                 map.next_value_seed(Unique)?;
             }
@@ -376,7 +379,7 @@ fn take_uuid(
             ValidationError::new(
                 Rule::BadUuid,
                 Some(field),
-                format!("`{field}` is not a UUID: {s:?}"),
+                format!("`{field}` is not a UUID: {}", crate::error::quoted(&s)),
             )
         }),
         Some(other) => Err(ValidationError::new(
@@ -449,7 +452,10 @@ pub fn parse_event_object(
                     ValidationError::new(
                         Rule::MistypedField,
                         Some("recorded_at"),
-                        format!("`recorded_at` is not an RFC 3339 time: {s:?}"),
+                        format!(
+                            "`recorded_at` is not an RFC 3339 time: {}",
+                            crate::error::quoted(&s)
+                        ),
                     )
                 })?;
             crate::validate::check_recorded_at(&t)?;
@@ -616,7 +622,10 @@ fn parse_body(type_value: Value, map: Map<String, Value>) -> Result<EventBody, V
                     ValidationError::new(
                         Rule::BadUuid,
                         Some("first_kept_event_id"),
-                        format!("`first_kept_event_id` is not a UUID: {s:?}"),
+                        format!(
+                            "`first_kept_event_id` is not a UUID: {}",
+                            crate::error::quoted(&s)
+                        ),
                     )
                 })?),
             };
@@ -634,7 +643,8 @@ fn parse_body(type_value: Value, map: Map<String, Value>) -> Result<EventBody, V
                 Rule::UnknownType,
                 Some("type"),
                 format!(
-                    "unknown event type {other:?}; expected one of {}",
+                    "unknown event type {}; expected one of {}",
+                    crate::error::quoted(other),
                     EVENT_TYPES.join(", ")
                 ),
             ))

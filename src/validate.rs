@@ -3,7 +3,7 @@
 
 use chrono::{DateTime, Datelike, Utc};
 
-use crate::error::{Rule, ValidationError};
+use crate::error::{quoted, Rule, ValidationError};
 use crate::event::EventBody;
 use crate::projector::SessionState;
 
@@ -39,7 +39,7 @@ pub fn check_tool_name(name: &str, field: &str) -> Result<(), ValidationError> {
         Some(p) => Err(ValidationError::new(
             Rule::BadToolName,
             Some(field),
-            format!("tool name {} in `{field}` {p}", crate::error::quoted(name)),
+            format!("tool name {} in `{field}` {p}", quoted(name)),
         )),
         None => Ok(()),
     }
@@ -183,7 +183,10 @@ pub fn check_event(state: &SessionState, body: &EventBody) -> Result<(), Validat
             Err(ValidationError::new(
                 Rule::DuplicateCallId,
                 Some("call_id"),
-                format!("`call_id` {call_id:?} is already used in this session"),
+                format!(
+                    "`call_id` {} is already used in this session",
+                    quoted(call_id)
+                ),
             ))
         }
         EventBody::ToolResult {
@@ -193,20 +196,22 @@ pub fn check_event(state: &SessionState, body: &EventBody) -> Result<(), Validat
                 Rule::ResultWithoutCall,
                 Some("call_id"),
                 format!(
-                    "`tool_result` for `call_id` {call_id:?}, which has no earlier `tool_call`"
+                    "`tool_result` for `call_id` {}, which has no earlier `tool_call`",
+                    quoted(call_id)
                 ),
             )),
             Some(call) if call.result_seq.is_some() => Err(ValidationError::new(
                 Rule::DuplicateResult,
                 Some("call_id"),
-                format!("the call {call_id:?} already has a result"),
+                format!("the call {} already has a result", quoted(call_id)),
             )),
             Some(call) if &call.tool_name != tool_name => Err(ValidationError::new(
                 Rule::ResultToolMismatch,
                 Some("tool_name"),
                 format!(
-                    "`tool_name` {tool_name:?} differs from the call's {:?}",
-                    call.tool_name
+                    "`tool_name` {} differs from the call's {}",
+                    quoted(tool_name),
+                    quoted(&call.tool_name)
                 ),
             )),
             Some(_) => Ok(()),
@@ -231,8 +236,9 @@ pub fn check_event(state: &SessionState, body: &EventBody) -> Result<(), Validat
                             Rule::CompactionSplitsCall,
                             Some("first_kept_event_id"),
                             format!(
-                                "the compaction would keep the result at seq {} but summarize its call {call_id:?} at seq {call_seq}",
-                                row.seq
+                                "the compaction would keep the result at seq {} but summarize its call {} at seq {call_seq}",
+                                row.seq,
+                                quoted(call_id)
                             ),
                         ));
                     }

@@ -1476,3 +1476,14 @@ fn activation_set_is_a_pure_function_of_the_prefix() {
         assert_eq!(pairs(&log.state_at(n)), want, "at seq {n}");
     }
 }
+
+#[test]
+fn messages_quote_what_was_sent_as_json_not_as_rust() {
+    // A control character shows as the JSON escape it was sent as.
+    let e = check_shape(&call("c1", "a\u{1}b")).unwrap_err();
+    assert!(e.message.contains(r#""a\u0001b""#), "{}", e.message);
+    assert!(!e.message.contains(r"\u{1}"), "{}", e.message);
+    let log = Log::start("agent");
+    let e = log.reject(result("c\u{2}", "Read", "success", &[]));
+    assert!(e.message.contains(r#""c\u0002""#), "{}", e.message);
+}

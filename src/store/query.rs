@@ -15,7 +15,7 @@ use sqlx::{Postgres, QueryBuilder, Sqlite};
 use uuid::Uuid;
 
 use super::{Backend, ChangeRow, Store, DEFAULT_TENANT};
-use crate::error::{Error, Result, Rule, ValidationError};
+use crate::error::{quoted, Error, Result, Rule, ValidationError};
 use crate::event::{EventBody, StoredEvent, EVENT_TYPES};
 
 /// The most rows one page returns.
@@ -431,7 +431,8 @@ impl Store {
                 return Err(bad(
                     "type",
                     format!(
-                        "unknown event type {t:?}: expected one of {}",
+                        "unknown event type {}: expected one of {}",
+                        quoted(t),
                         EVENT_TYPES.join(", ")
                     ),
                 ));
@@ -456,7 +457,7 @@ impl Store {
             if c != "added" && c != "removed" {
                 return Err(bad(
                     "change",
-                    format!("`change` must be added or removed, not {c:?}"),
+                    format!("`change` must be added or removed, not {}", quoted(c)),
                 ));
             }
         }
@@ -479,7 +480,7 @@ impl Store {
                             "after",
                             format!(
                                 "{} is not a cursor of this query (POSITION:TOOL)",
-                                crate::error::quoted(cursor)
+                                quoted(cursor)
                             ),
                         )
                     })?,
@@ -621,7 +622,7 @@ impl Store {
             Some(c) => Some(Uuid::parse_str(c).map_err(|_| {
                 bad(
                     "after",
-                    format!("{c:?} is not a cursor of this query (a session id)"),
+                    format!("{} is not a cursor of this query (a session id)", quoted(c)),
                 )
             })?),
         };
@@ -658,7 +659,7 @@ fn position_cursor(after: Option<&str>) -> Result<i64> {
         Some(c) => c.parse().map_err(|_| {
             bad(
                 "after",
-                format!("{c:?} is not a cursor of this query (a position)"),
+                format!("{} is not a cursor of this query (a position)", quoted(c)),
             )
         }),
     }
