@@ -724,7 +724,7 @@ async fn run_on(
             format: ImportFormat::Jsonl,
             file,
         } => {
-            let lines = InputLines::open(file.as_ref(), max_bytes)?;
+            let lines = InputLines::open(file.as_ref(), crate::event::line_limit(max_bytes))?;
             let summary = import(store, lines, max_bytes).await?;
             writeln!(
                 out,
@@ -1333,8 +1333,9 @@ impl InputLines {
                         Rule::TooLarge,
                         None,
                         format!(
-                            "the line is over the limit of {} bytes of JSON per event",
-                            self.limit
+                            "the line is over {} bytes, the most a line may hold (--max-event-bytes and {} KiB for its envelope and spacing)",
+                            self.limit,
+                            crate::event::LINE_ENVELOPE_BYTES / 1024
                         ),
                     ),
                 });

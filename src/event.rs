@@ -336,20 +336,36 @@ pub fn check_unique_keys(text: &[u8]) -> Result<(), serde_json::Error> {
     Unique.deserialize(&mut de)
 }
 
+/// What a line may hold beyond the event's own JSON text: its envelope
+/// (`session_id`, `event_id`, `recorded_at`, about 150 bytes) and any
+/// spacing. The limit of §4 is on the event's JSON text as the store keeps
+/// it (the store checks it at append); a line is refused before it is
+/// parsed only when it is over that limit by more than this, so that an
+/// export of an event at the limit re-imports.
+pub const LINE_ENVELOPE_BYTES: usize = 64 * 1024;
+
+/// The longest line `import` and `append` read for a limit of
+/// `max_event_bytes` (see [`LINE_ENVELOPE_BYTES`]).
+pub fn line_limit(max_event_bytes: usize) -> usize {
+    max_event_bytes.saturating_add(LINE_ENVELOPE_BYTES)
+}
+
 /// Parses one JSON line into an event, checking the envelope fields allowed
-/// for `kind` and the size limit (`max_bytes` of JSON text).
+/// for `kind`. A line over [`line_limit`] of `max_bytes` is refused
+/// unparsed; the event's own size is the store's to judge.
 pub fn parse_line(
     line: &str,
     kind: LineKind,
     max_bytes: usize,
 ) -> Result<ParsedLine, ValidationError> {
-    if line.len() > max_bytes {
+    if line.len() > line_limit(max_bytes) {
         return Err(ValidationError::new(
             Rule::TooLarge,
             None,
             format!(
-                "the event is {} bytes of JSON, over the limit of {max_bytes} bytes",
-                line.len()
+                "the line is {} bytes, over the limit of {max_bytes} bytes of JSON per event (and {} KiB for its envelope and spacing)",
+                line.len(),
+                LINE_ENVELOPE_BYTES / 1024
             ),
         ));
     }

@@ -88,8 +88,21 @@ fn check_no_nul(body: &EventBody) -> Result<(), ValidationError> {
 }
 
 /// A time the store can write and read back as RFC 3339 on both backends,
-/// and that an export re-imports: years 0000 to 9999 in UTC.
+/// and that an export re-imports: years 0000 to 9999 in UTC, and no leap
+/// second (second 60), which PostgreSQL reads back as the next second's
+/// start: the time exported would differ from the time hashed, and the
+/// chain would report an untouched row as changed.
 pub fn check_recorded_at(t: &DateTime<Utc>) -> Result<(), ValidationError> {
+    if chrono::Timelike::nanosecond(t) >= 1_000_000_000 {
+        return Err(ValidationError::new(
+            Rule::MistypedField,
+            Some("recorded_at"),
+            format!(
+                "`recorded_at` is a leap second ({}); the store keeps times both backends read back equal, and PostgreSQL has no second 60",
+                t.to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true)
+            ),
+        ));
+    }
     if (0..=9999).contains(&t.year()) {
         return Ok(());
     }

@@ -1081,3 +1081,60 @@ fn a_reader_that_closes_the_output_early_ends_the_command_quietly() {
         assert_eq!(stderr(&out), "", "{args:?}");
     }
 }
+
+#[test]
+fn an_export_of_an_event_at_the_size_limit_imports_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (
+        dir.path().join("a.db").display().to_string(),
+        dir.path().join("b.db").display().to_string(),
+    );
+    let limit = 2_000;
+    let overhead = session_store::EventBody::PromptSubmitted {
+        text: String::new(),
+    }
+    .to_json_text()
+    .len();
+    let text = "x".repeat(limit - overhead);
+    let lines = format!(
+        "{}\n{}\n",
+        r#"{"type":"session_started","mode":"agent"}"#,
+        serde_json::json!({"type": "prompt_submitted", "text": text})
+    );
+    let flag = limit.to_string();
+    let out = run(
+        &a,
+        &[
+            "--max-event-bytes",
+            &flag,
+            "append",
+            S,
+            "--expected-seq",
+            "0",
+        ],
+        Some(&lines),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    // One byte more is over the limit, whatever the line's envelope.
+    let over = serde_json::json!({"type": "prompt_submitted", "text": format!("{text}y")});
+    let out = run(
+        &a,
+        &[
+            "--max-event-bytes",
+            &flag,
+            "append",
+            S,
+            "--expected-seq",
+            "2",
+        ],
+        Some(&over.to_string()),
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(stderr(&out).contains("event-too-large"), "{}", stderr(&out));
+    // The export's lines carry the envelope too, and still import.
+    let export = stdout(&run(&a, &["export", S], None));
+    assert!(export.lines().any(|l| l.len() > limit), "{export}");
+    let out = run(&b, &["--max-event-bytes", &flag, "import"], Some(&export));
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stdout(&run(&b, &["export", S], None)), export);
+}

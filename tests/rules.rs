@@ -6,7 +6,9 @@
 //! store does.
 
 use serde_json::{json, Map, Value};
-use session_store::event::{parse_event_object, parse_line, LineKind};
+use session_store::event::{
+    line_limit, parse_event_object, parse_line, LineKind, LINE_ENVELOPE_BYTES,
+};
 use session_store::validate::{check_event, check_shape, DEFAULT_MAX_EVENT_BYTES};
 use session_store::{EventBody, Rule, SessionState, StoredEvent, ToolStatus, ValidationError};
 use uuid::Uuid;
@@ -484,32 +486,30 @@ fn position_given_in_a_line_is_rejected() {
 }
 
 #[test]
-fn oversized_line_is_rejected_as_too_large() {
-    let line = r#"{"type": "prompt_submitted", "text": "hello"}"#;
-    let e = parse_line(line, LineKind::Append, line.len() - 1).unwrap_err();
-    assert_rule(&e, Rule::TooLarge, None);
-    // Exactly at the limit is fine.
-    let p = parse_line(line, LineKind::Append, line.len()).unwrap();
+fn a_line_is_refused_unparsed_only_past_the_limit_and_the_envelopes_room() {
+    // The §4 limit is on the event's JSON text, which the store judges; a
+    // line may carry its envelope and spacing beyond it (an export of an
+    // event at the limit must import), so only a line past both is
+    // refused before it is parsed.
+    let limit = 100;
+    let line = format!(
+        r#"{{"type": "prompt_submitted", "text": "hello"}}{}"#,
+        " ".repeat(line_limit(limit) - 45)
+    );
+    assert_eq!(line.len(), line_limit(limit));
+    let p = parse_line(&line, LineKind::Append, limit).unwrap();
     assert_eq!(p.event.body, prompt("hello"));
+    let e = parse_line(&format!("{line} "), LineKind::Append, limit).unwrap_err();
+    assert_rule(&e, Rule::TooLarge, None);
 }
 
 #[test]
 fn default_size_limit_is_one_mebibyte() {
     assert_eq!(DEFAULT_MAX_EVENT_BYTES, 1024 * 1024);
-    let frame = r#"{"type": "prompt_submitted", "text": ""}"#;
-    let fill = DEFAULT_MAX_EVENT_BYTES - frame.len();
-    let at_limit = format!(
-        r#"{{"type": "prompt_submitted", "text": "{}"}}"#,
-        "a".repeat(fill)
+    assert_eq!(
+        line_limit(DEFAULT_MAX_EVENT_BYTES),
+        DEFAULT_MAX_EVENT_BYTES + LINE_ENVELOPE_BYTES
     );
-    assert_eq!(at_limit.len(), DEFAULT_MAX_EVENT_BYTES);
-    parse_line(&at_limit, LineKind::Append, DEFAULT_MAX_EVENT_BYTES).unwrap();
-    let over = format!(
-        r#"{{"type": "prompt_submitted", "text": "{}"}}"#,
-        "a".repeat(fill + 1)
-    );
-    let e = parse_line(&over, LineKind::Append, DEFAULT_MAX_EVENT_BYTES).unwrap_err();
-    assert_rule(&e, Rule::TooLarge, None);
 }
 
 // ---------------------------------------------------------------------------
@@ -1486,4 +1486,15 @@ fn messages_quote_what_was_sent_as_json_not_as_rust() {
     let log = Log::start("agent");
     let e = log.reject(result("c\u{2}", "Read", "success", &[]));
     assert!(e.message.contains(r#""c\u0002""#), "{}", e.message);
+}
+
+#[test]
+fn a_leap_second_is_refused_as_a_time_both_backends_cannot_keep() {
+    let line = r#"{"session_id":"aaaaaaaa-9999-4999-8999-999999999999","type":"session_started","mode":"a","recorded_at":"2024-02-29T23:59:60.5Z"}"#;
+    let e = parse_line(line, LineKind::Import, DEFAULT_MAX_EVENT_BYTES).unwrap_err();
+    assert_rule(&e, Rule::MistypedField, Some("recorded_at"));
+    assert!(e.message.contains("leap second"), "{}", e.message);
+    // The second before it is an ordinary time.
+    let ok = line.replace("23:59:60.5Z", "23:59:59.5Z");
+    parse_line(&ok, LineKind::Import, DEFAULT_MAX_EVENT_BYTES).unwrap();
 }
