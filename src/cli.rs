@@ -1234,6 +1234,34 @@ fn count(n: usize, noun: &str) -> String {
     }
 }
 
+/// Standard output as the CLI writes it: every control character but the
+/// newline and the tab is written as its JSON escape (`\u001b`), so that
+/// text a session holds (a prompt, a mode, a call id) cannot move the
+/// cursor, retitle or clear the terminal that reads `history` or
+/// `context`. JSON lines are unchanged in value: their strings hold no raw
+/// control character but DEL, whose escape reads back the same.
+pub struct Printable<W: Write>(pub W);
+
+impl<W: Write> Write for Printable<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let unsafe_byte = |b: u8| (b < 0x20 && b != b'\n' && b != b'\t') || b == 0x7f;
+        let mut start = 0;
+        for (i, &b) in buf.iter().enumerate() {
+            if unsafe_byte(b) {
+                self.0.write_all(&buf[start..i])?;
+                write!(self.0, "\\u{b:04x}")?;
+                start = i + 1;
+            }
+        }
+        self.0.write_all(&buf[start..])?;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
+    }
+}
+
 /// Prints one value as one line of JSON.
 fn print_json<T: serde::Serialize>(out: &mut dyn Write, value: &T) -> Result<(), CliError> {
     let text = serde_json::to_string(value)

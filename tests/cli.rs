@@ -1138,3 +1138,51 @@ fn an_export_of_an_event_at_the_size_limit_imports_again() {
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(stdout(&run(&b, &["export", S], None)), export);
 }
+
+#[test]
+fn text_a_session_holds_cannot_drive_the_terminal() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (
+        dir.path().join("a.db").display().to_string(),
+        dir.path().join("b.db").display().to_string(),
+    );
+    let hostile = "\u{1b}]0;pwned\u{7}\u{1b}[31mred\r\u{7f}";
+    let lines = [
+        serde_json::json!({"session_id": S, "type": "session_started", "mode": format!("m{hostile}")}),
+        serde_json::json!({"session_id": S, "type": "prompt_submitted", "text": hostile}),
+        serde_json::json!({"session_id": S, "type": "tool_call", "call_id": format!("c{hostile}"), "tool_name": "Read", "input": hostile}),
+    ]
+    .map(|v| v.to_string())
+    .join("\n");
+    assert!(run(&a, &["import"], Some(&lines)).status.success());
+    for args in [
+        vec!["history", S],
+        vec!["context", S],
+        vec!["history", S, "--json"],
+        vec!["export", S],
+        vec!["tail"],
+    ] {
+        let out = run(&a, &args, None);
+        assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+        let raw = &out.stdout;
+        assert!(
+            !raw.iter()
+                .any(|&b| (b < 0x20 && b != b'\n' && b != b'\t') || b == 0x7f),
+            "{args:?} wrote a raw control byte: {}",
+            String::from_utf8_lossy(raw)
+        );
+        if args.len() == 2 && args[0] != "export" {
+            assert!(
+                stdout(&out).contains(r"\u001b"),
+                "{args:?}: {}",
+                stdout(&out)
+            );
+        }
+    }
+    // The export still says exactly what was stored.
+    let export = stdout(&run(&a, &["export", S], None));
+    assert!(run(&b, &["import"], Some(&export)).status.success());
+    assert_eq!(stdout(&run(&b, &["export", S], None)), export);
+    let v: Value = serde_json::from_str(export.lines().nth(1).unwrap()).unwrap();
+    assert_eq!(v["text"], hostile);
+}
