@@ -1603,6 +1603,41 @@ pub async fn import_pi(
     store: &Store,
     session: &crate::pi::PiSession,
 ) -> Result<ImportSummary, CliError> {
+    // Another import of the same file (or of a longer one) may append
+    // between the read of the session and this append: the append then
+    // conflicts, or finds part of its batch stored, and is judged again
+    // against what the other one wrote.
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        match import_pi_once(store, session).await {
+            Err(PiAttempt::Raced(_)) if attempts < 5 => {
+                tracing::debug!(session = %session.session_id, attempts, "pi import raced another writer; judged again");
+            }
+            Err(PiAttempt::Raced(e)) | Err(PiAttempt::Failed(e)) => return Err(e),
+            Ok(summary) => return Ok(summary),
+        }
+    }
+}
+
+/// How one attempt of [`import_pi`] ended without importing.
+enum PiAttempt {
+    /// Another writer appended to the session since it was read.
+    Raced(CliError),
+    /// Anything else, final.
+    Failed(CliError),
+}
+
+impl From<Error> for PiAttempt {
+    fn from(e: Error) -> PiAttempt {
+        PiAttempt::Failed(e.into())
+    }
+}
+
+async fn import_pi_once(
+    store: &Store,
+    session: &crate::pi::PiSession,
+) -> Result<ImportSummary, PiAttempt> {
     let id = session.session_id;
     let head = store.head_seq(id).await?;
     let mut stored = Vec::new();
@@ -1614,22 +1649,14 @@ pub async fn import_pi(
         stored.extend(page);
     }
     let different = |seq: i64, what: String| {
-        CliError::Input(format!(
+        PiAttempt::Failed(CliError::Input(format!(
             "session {id} already holds events this file does not produce (seq {seq}: {what}); \
              it was imported from another branch or version of the pi file, or written by something else, \
              and is left unchanged"
-        ))
+        )))
     };
-    if stored.len() > session.events.len() {
-        let extra = &stored[session.events.len()];
-        return Err(different(
-            extra.seq,
-            format!(
-                "the session goes on past the file's {} events",
-                session.events.len()
-            ),
-        ));
-    }
+    // The first seq that differs: in the events both have, then past the
+    // file's end.
     for (s, p) in stored.iter().zip(&session.events) {
         if Some(s.event_id) != p.event.event_id || s.body != p.event.body {
             return Err(different(
@@ -1645,6 +1672,16 @@ pub async fn import_pi(
             ));
         }
     }
+    if stored.len() > session.events.len() {
+        let extra = &stored[session.events.len()];
+        return Err(different(
+            extra.seq,
+            format!(
+                "the session goes on past the file's {} events",
+                session.events.len()
+            ),
+        ));
+    }
     let rest = &session.events[stored.len()..];
     let mut summary = ImportSummary {
         written: 0,
@@ -1656,17 +1693,25 @@ pub async fn import_pi(
     }
     let events = rest.iter().map(|e| e.event.clone()).collect();
     let outcome = store.append(id, head, events).await.map_err(|e| match e {
-        Error::Invalid(mut v) => match v.index.take().and_then(|i| rest.get(i)) {
-            Some(at) => CliError::Pi(crate::pi::PiError {
-                line: at.line,
-                field: v.field.as_deref().map(|f| pi_field(f, &at.event.body)),
-                message: match &at.entry_id {
-                    Some(entry) => format!("pi entry {entry:?}: {} (rule {})", v.message, v.rule),
-                    None => format!("the session header: {} (rule {})", v.message, v.rule),
-                },
-            }),
-            None => Error::Invalid(v).into(),
-        },
+        Error::Conflict { .. } => PiAttempt::Raced(e.into()),
+        Error::Invalid(v) if v.rule == Rule::PartlyStoredBatch => {
+            PiAttempt::Raced(Error::Invalid(v).into())
+        }
+        Error::Invalid(mut v) => {
+            PiAttempt::Failed(match v.index.take().and_then(|i| rest.get(i)) {
+                Some(at) => CliError::Pi(crate::pi::PiError {
+                    line: at.line,
+                    field: v.field.as_deref().map(|f| pi_field(f, &at.event.body)),
+                    message: match &at.entry_id {
+                        Some(entry) => {
+                            format!("pi entry {entry:?}: {} (rule {})", v.message, v.rule)
+                        }
+                        None => format!("the session header: {} (rule {})", v.message, v.rule),
+                    },
+                }),
+                None => Error::Invalid(v).into(),
+            })
+        }
         other => other.into(),
     })?;
     if outcome.replayed {

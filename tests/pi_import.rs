@@ -500,3 +500,81 @@ fn the_default_format_is_still_json_lines() {
     let out = run(&db.url, &["import", "--format", "yaml", &fixture("plain")]);
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
 }
+
+#[test]
+fn a_longer_stored_session_that_differs_is_named_at_the_first_seq_that_differs() {
+    for (backend, db) in backends() {
+        let dir = tempfile::tempdir().unwrap();
+        let full = std::fs::read_to_string(fixture("tools")).unwrap();
+        let lines: Vec<&str> = full.lines().collect();
+        // Stored: the file and one more entry after its leaf.
+        let longer = format!(
+            "{full}{}\n",
+            r#"{"type":"message","id":"d000000e","parentId":"d000000d","timestamp":"2025-06-04T12:00:21.000Z","message":{"role":"assistant","content":[{"type":"text","text":"ok"}],"stopReason":"stop","timestamp":1749038421000}}"#
+        );
+        let path = dir.path().join("longer.jsonl");
+        std::fs::write(&path, longer).unwrap();
+        import(&db.url, path.to_str().unwrap());
+        // The file: the same, but its last entry on another branch.
+        let mut other: Vec<&str> = lines[..lines.len() - 1].to_vec();
+        let alt = r#"{"type":"message","id":"d000000f","parentId":"d000000c","timestamp":"2025-06-04T12:00:22.000Z","message":{"role":"user","content":"alt","timestamp":1749038422000}}"#;
+        other.push(alt);
+        let path = dir.path().join("other.jsonl");
+        std::fs::write(&path, other.join("\n") + "\n").unwrap();
+        let out = run(
+            &db.url,
+            &["import", "--format", "pi", path.to_str().unwrap()],
+        );
+        assert_eq!(out.status.code(), Some(1), "{backend}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains("(seq 16: stored prompt_submitted"),
+            "{backend}: {}",
+            stderr(&out)
+        );
+    }
+}
+
+#[test]
+fn imports_of_a_file_and_its_longer_version_racing_each_other_are_judged_again() {
+    for (backend, db) in backends() {
+        let dir = tempfile::tempdir().unwrap();
+        let full = std::fs::read_to_string(fixture("tools")).unwrap();
+        let short: String = full.lines().take(6).map(|l| format!("{l}\n")).collect();
+        let short_path = dir.path().join("short.jsonl");
+        std::fs::write(&short_path, short).unwrap();
+        let full_path = fixture("tools");
+        let children: Vec<_> = (0..8)
+            .map(|i| {
+                let file = if i % 2 == 0 {
+                    short_path.to_str().unwrap().to_owned()
+                } else {
+                    full_path.clone()
+                };
+                std::process::Command::new(env!("CARGO_BIN_EXE_session-store"))
+                    .args(["--database", &db.url, "import", "--format", "pi", &file])
+                    .env_remove("DATABASE_URL")
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        // The whole file's imports all succeed, whoever commits first. A
+        // short one that comes after a whole one is refused as documented
+        // (the session goes on past the file); it never blames the user
+        // for the race with a partly stored batch.
+        for (i, child) in children.into_iter().enumerate() {
+            let out = child.wait_with_output().unwrap();
+            if i % 2 == 1 || out.status.success() {
+                assert!(out.status.success(), "{backend} {i}: {}", stderr(&out));
+            } else {
+                assert!(
+                    stderr(&out).contains("the session goes on past the file's 7 events"),
+                    "{backend} {i}: {}",
+                    stderr(&out)
+                );
+            }
+        }
+        assert_eq!(history(&db.url, TOOLS).len(), 16, "{backend}");
+    }
+}
