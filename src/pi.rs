@@ -184,7 +184,16 @@ pub fn convert(lines: &[(usize, String)]) -> Result<PiSession, PiError> {
             // Version 1 files are linear: pi links each entry to the one
             // before it when it migrates them.
             None if legacy => entries.last().map(|e| e.id.clone()),
-            None => None,
+            // Version 2 and 3 entries always carry it (null at a root): one
+            // without it would silently start a new root and drop every
+            // entry before it from the path.
+            None => {
+                return Err(PiError::new(
+                    *n,
+                    Some("parentId"),
+                    "missing field `parentId` (a version 2 or 3 entry names its parent, or null for a root)",
+                ))
+            }
             Some(other) => {
                 return Err(PiError::new(
                     *n,
@@ -639,8 +648,11 @@ impl Builder {
         Ok(())
     }
 
-    /// Consecutive text blocks become one `assistant_message`.
+    /// Consecutive text blocks become one `assistant_message`; empty ones
+    /// add nothing (not even a line break), so blocks that are all empty
+    /// make no row.
     fn flush_text(&mut self, pos: usize, entry: &Entry, text: &mut Vec<&str>, n: &mut usize) {
+        text.retain(|t| !t.is_empty());
         let joined = text.join("\n");
         text.clear();
         if joined.is_empty() {
@@ -968,6 +980,8 @@ fn content_text(line: usize, content: Option<&Value>, field: &str) -> Result<Str
             for (i, block) in blocks.iter().enumerate() {
                 match block.get("type").and_then(Value::as_str) {
                     Some("text") => match block.get("text") {
+                        // An empty block adds no line of its own.
+                        Some(Value::String(s)) if s.is_empty() => {}
                         Some(Value::String(s)) => parts.push(s.clone()),
                         _ => {
                             return Err(PiError::new(
@@ -1107,6 +1121,30 @@ mod tests {
         // Each event of one entry has its own id.
         let ids: BTreeSet<_> = s.events.iter().map(|e| e.event.event_id).collect();
         assert_eq!(ids.len(), s.events.len());
+    }
+
+    #[test]
+    fn empty_text_blocks_add_nothing_and_all_empty_make_no_row() {
+        let u = user("e1", None, "go");
+        let a = r#"{"type":"message","id":"e2","parentId":"e1","message":{"role":"assistant","content":[{"type":"text","text":""},{"type":"text","text":""}]}}"#;
+        let b = r#"{"type":"message","id":"e3","parentId":"e2","message":{"role":"assistant","content":[{"type":"text","text":"a"},{"type":"text","text":""}]}}"#;
+        let p = r#"{"type":"message","id":"e4","parentId":"e3","message":{"role":"user","content":[{"type":"text","text":""},{"type":"text","text":"x"},{"type":"text","text":""}]}}"#;
+        let bodies = bodies(&convert_ok(&[HEADER, &u, a, b, p]));
+        assert_eq!(
+            bodies[2..],
+            [
+                EventBody::AssistantMessage { text: "a".into() },
+                EventBody::PromptSubmitted { text: "x".into() },
+            ]
+        );
+    }
+
+    #[test]
+    fn a_version_3_entry_without_parent_id_is_an_error() {
+        let a = r#"{"type":"message","id":"e1","parentId":null,"message":{"role":"user","content":"a"}}"#;
+        let b = r#"{"type":"message","id":"e2","message":{"role":"user","content":"b"}}"#;
+        let e = err(&[HEADER, a, b]);
+        assert_eq!((e.line, e.field.as_deref()), (3, Some("parentId")), "{e}");
     }
 
     #[test]
