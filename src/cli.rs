@@ -412,6 +412,16 @@ pub enum CliError {
     /// `bench` could not run.
     #[error("{0}")]
     Bench(#[from] crate::bench::BenchError),
+    /// `import` stopped at a bad line after storing the lines before it.
+    #[error("{cause}; the {} before it {} stored{}", count(*written + *replayed, "event"), if *written + *replayed == 1 { "is" } else { "are" }, if *replayed > 0 { format!(" ({replayed} of them already were)") } else { String::new() })]
+    ImportStopped {
+        /// What stopped it.
+        cause: Box<CliError>,
+        /// Events it wrote.
+        written: usize,
+        /// Events it found already stored.
+        replayed: usize,
+    },
     /// The reader of the output went away (`| head`): the command stops
     /// quietly, with exit 0, as `head`'s user asked for no more.
     #[error("the reader of the output closed it")]
@@ -425,6 +435,7 @@ impl CliError {
             CliError::Store(e) => store_exit_code(e),
             CliError::Drift(_) => 5,
             CliError::OutputClosed => 0,
+            CliError::ImportStopped { cause, .. } => cause.exit_code(),
             CliError::Bench(crate::bench::BenchError::Store(e)) => store_exit_code(e),
             CliError::Bench(_) => 4,
             _ => 1,
@@ -1234,6 +1245,9 @@ fn count(n: usize, noun: &str) -> String {
     }
 }
 
+/// The UTF-8 byte order mark, skipped at the start of an input.
+const UTF8_BOM: &[u8] = b"\xef\xbb\xbf";
+
 /// Standard output as the CLI writes it: every control character but the
 /// newline and the tab is written as its JSON escape (`\u001b`), so that
 /// text a session holds (a prompt, a mode, a call id) cannot move the
@@ -1292,6 +1306,10 @@ fn read_lines(file: Option<&PathBuf>) -> Result<Vec<(usize, String)>, CliError> 
     let reader = open_input(file)?;
     let mut lines = Vec::new();
     for (i, line) in reader.lines().enumerate() {
+        let line = match line {
+            Ok(l) if i == 0 => Ok(l.strip_prefix('\u{feff}').map(str::to_owned).unwrap_or(l)),
+            other => other,
+        };
         let line = line
             .map_err(|e| CliError::Io(format!("cannot read line {} of the input: {e}", i + 1)))?;
         if !line.trim().is_empty() {
@@ -1343,6 +1361,10 @@ impl InputLines {
             self.buf = buf;
             if read? == 0 {
                 return Ok(None);
+            }
+            // A byte order mark some editors put first is not text.
+            if line == 1 && self.buf.starts_with(UTF8_BOM) {
+                self.buf.drain(..UTF8_BOM.len());
             }
             let ended = self.buf.last() == Some(&b'\n');
             if ended {
@@ -1472,6 +1494,25 @@ pub async fn import(
     max_bytes: usize,
 ) -> Result<ImportSummary, CliError> {
     let mut summary = ImportSummary::default();
+    match import_into(store, lines, max_bytes, &mut summary).await {
+        Ok(()) => Ok(summary),
+        // The lines before the bad one are stored (§9): say how many, so
+        // the user knows what a re-run will find.
+        Err(e) if summary.written + summary.replayed > 0 => Err(CliError::ImportStopped {
+            cause: Box::new(e),
+            written: summary.written,
+            replayed: summary.replayed,
+        }),
+        Err(e) => Err(e),
+    }
+}
+
+async fn import_into(
+    store: &Store,
+    lines: impl IntoIterator<Item = Result<(usize, String), CliError>>,
+    max_bytes: usize,
+    summary: &mut ImportSummary,
+) -> Result<(), CliError> {
     let mut sessions: HashSet<Uuid> = HashSet::new();
     let mut batch: Vec<(usize, NewEvent)> = Vec::new();
     let mut batch_session = None;
@@ -1479,20 +1520,26 @@ pub async fn import(
         let parsed = line.and_then(|(n, text)| {
             parse_line(&text, LineKind::Import, max_bytes)
                 .map(|p| (n, p))
-                .map_err(|error| CliError::Line { line: n, error })
+                .map_err(|mut error| {
+                    // A pi session file's header, given to the JSONL reader.
+                    if n == 1
+                        && error.rule == Rule::MissingField
+                        && error.field.as_deref() == Some("session_id")
+                        && serde_json::from_str::<serde_json::Value>(&text)
+                            .is_ok_and(|v| v["type"] == "session")
+                    {
+                        error.message.push_str(
+                            "; this looks like a pi session file: import it with --format pi",
+                        );
+                    }
+                    CliError::Line { line: n, error }
+                })
         });
         let (n, ParsedLine { session_id, event }) = match parsed {
             Ok(p) => p,
             Err(error) => {
                 if let Some(s) = batch_session.take() {
-                    flush(
-                        store,
-                        s,
-                        std::mem::take(&mut batch),
-                        &mut sessions,
-                        &mut summary,
-                    )
-                    .await?;
+                    flush(store, s, std::mem::take(&mut batch), &mut sessions, summary).await?;
                 }
                 return Err(error);
             }
@@ -1506,21 +1553,14 @@ pub async fn import(
             .is_some_and(|id| batch.iter().any(|(_, e)| e.event_id == Some(id)));
         if batch_session != Some(session) || batch.len() >= IMPORT_BATCH || repeats {
             if let Some(s) = batch_session {
-                flush(
-                    store,
-                    s,
-                    std::mem::take(&mut batch),
-                    &mut sessions,
-                    &mut summary,
-                )
-                .await?;
+                flush(store, s, std::mem::take(&mut batch), &mut sessions, summary).await?;
             }
             batch_session = Some(session);
         }
         batch.push((n, event));
     }
     if let Some(s) = batch_session {
-        flush(store, s, batch, &mut sessions, &mut summary).await?;
+        flush(store, s, batch, &mut sessions, summary).await?;
     }
     summary.sessions = sessions.len();
     info!(
@@ -1528,7 +1568,7 @@ pub async fn import(
         replayed = summary.replayed,
         "import done"
     );
-    Ok(summary)
+    Ok(())
 }
 
 /// Appends one session's run of lines. On a validation error the valid

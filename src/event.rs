@@ -369,12 +369,15 @@ pub fn parse_line(
             ),
         ));
     }
-    let value: Value = serde_json::from_str(line).map_err(|e| {
-        ValidationError::new(Rule::MalformedJson, None, format!("malformed JSON: {e}"))
-    })?;
-    check_unique_keys(line.as_bytes()).map_err(|e| {
-        ValidationError::new(Rule::MalformedJson, None, format!("malformed JSON: {e}"))
-    })?;
+    // serde_json places an error "at line 1 column N" of the text it was
+    // given, which is one line of the input: the input's line number is
+    // the caller's to give, the column is what is left to say.
+    let malformed = |e: serde_json::Error| {
+        let said = e.to_string().replace(" at line 1 column ", " at column ");
+        ValidationError::new(Rule::MalformedJson, None, format!("malformed JSON: {said}"))
+    };
+    let value: Value = serde_json::from_str(line).map_err(malformed)?;
+    check_unique_keys(line.as_bytes()).map_err(malformed)?;
     let Value::Object(map) = value else {
         return Err(ValidationError::new(
             Rule::MalformedJson,
@@ -791,11 +794,12 @@ mod tests {
     }
 
     #[test]
-    fn an_oversized_event_is_rejected() {
+    fn a_line_past_the_limit_and_the_envelopes_room_is_rejected_unparsed() {
         let l = line(r#""type":"prompt_submitted","text":"xxxxxxxxxxxxxxxx""#);
-        let e = parse_line(&l, LineKind::Import, 40).unwrap_err();
+        let long = format!("{l}{}", " ".repeat(LINE_ENVELOPE_BYTES));
+        let e = parse_line(&long, LineKind::Import, l.len() - 1).unwrap_err();
         assert_eq!(e.rule, Rule::TooLarge);
-        assert!(parse_line(&l, LineKind::Import, l.len()).is_ok());
+        assert!(parse_line(&long, LineKind::Import, l.len()).is_ok());
     }
 
     #[test]

@@ -10,7 +10,10 @@ fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                // sqlx's "slow statement" warnings quote the store's SQL:
+                // an operator's concern (RUST_LOG=sqlx=warn shows them),
+                // not a CLI user's, who sees a busy store as a slow command.
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,sqlx::query=error")),
         )
         .with_writer(std::io::stderr)
         // Colours only for a person at a terminal: a log file or a

@@ -1186,3 +1186,31 @@ fn text_a_session_holds_cannot_drive_the_terminal() {
     let v: Value = serde_json::from_str(export.lines().nth(1).unwrap()).unwrap();
     assert_eq!(v["text"], hostile);
 }
+
+#[test]
+fn import_says_what_it_kept_and_reads_past_a_byte_order_mark() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = dir.path().join("s.db").display().to_string();
+    // A byte order mark before the first line is not text.
+    let input = format!(
+        "\u{feff}{}\n{}\nnot json\n",
+        with_session(r#"{"type":"session_started","mode":"agent"}"#),
+        with_session(r#"{"type":"prompt_submitted","text":"x"}"#)
+    );
+    let out = run(&url, &["import"], Some(&input));
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let err = stderr(&out);
+    // The line's number, the column in it, and what was kept.
+    assert!(
+        err.contains("line 3: malformed JSON")
+            && err.contains("at column 2")
+            && !err.contains("line 1 column")
+            && err.contains("the 2 events before it are stored"),
+        "{err}"
+    );
+    // A pi session file given to the JSONL reader says so.
+    let pi = std::fs::read_to_string("tests/fixtures/pi/plain.jsonl").unwrap();
+    let out = run(&url, &["import"], Some(&pi));
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("--format pi"), "{}", stderr(&out));
+}
