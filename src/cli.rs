@@ -8,7 +8,7 @@ use std::io::{BufRead, Write};
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
-use tracing::info;
+use tracing::{info, warn};
 use uuid::Uuid;
 
 use crate::audit::{reason_text, At, Explanation, Reason, Refresh};
@@ -514,15 +514,18 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
         }
         _ => {}
     }
-    // An input file that cannot be read is said before the store is
-    // opened: a mistyped path must not leave a new, empty store behind.
-    if let Command::Import { file: Some(f), .. } | Command::Append { file: Some(f), .. } =
-        &cli.command
-    {
-        open_input(Some(f))?;
-    }
+    // The input is opened before the store, and once: a mistyped path
+    // must not leave a new, empty store behind, and a named pipe can be
+    // opened only once (a second open would wait for a writer that has
+    // gone).
+    let input = match &cli.command {
+        Command::Import { file, .. } | Command::Append { file, .. } => {
+            Some(open_input(file.as_ref())?)
+        }
+        _ => None,
+    };
     let store = Store::open_with(&cli.database, options).await?;
-    let result = run_on(&store, cli.command, cli.max_event_bytes, out).await;
+    let result = run_on(&store, cli.command, cli.max_event_bytes, input, out).await;
     store.close().await;
     result
 }
@@ -620,8 +623,15 @@ async fn serve(
         crate::store::BackendKind::Sqlite => "SQLite",
         crate::store::BackendKind::Postgres => "PostgreSQL",
     };
-    writeln!(out, "listening on http://{addr} ({kind} store, {auth})").map_err(io)?;
-    out.flush().map_err(io)?;
+    // A banner nobody reads (stdout closed, as under some supervisors)
+    // does not stop the server: it serves on, and says why in the log.
+    let banner = writeln!(out, "listening on http://{addr} ({kind} store, {auth})")
+        .and_then(|()| out.flush());
+    match banner.map_err(io) {
+        Ok(()) => {}
+        Err(CliError::OutputClosed) => warn!("standard output is closed; serving on"),
+        Err(e) => return Err(e),
+    }
     info!(%addr, "serving");
     let server = Server::new(store.clone(), config);
     let result = server
@@ -698,8 +708,14 @@ async fn run_on(
     store: &Store,
     command: Command,
     max_bytes: usize,
+    input: Option<Box<dyn BufRead>>,
     out: &mut dyn Write,
 ) -> Result<(), CliError> {
+    // The input `run` opened, or the command's own (library callers).
+    let input = |file: Option<&PathBuf>| match input {
+        Some(reader) => Ok(reader),
+        None => open_input(file),
+    };
     match command {
         Command::Serve(_) | Command::Openapi | Command::Bench(_) | Command::BenchPhase { .. } => {
             // `run` answers these before opening a borrowed store.
@@ -714,7 +730,7 @@ async fn run_on(
             format: ImportFormat::Pi,
             file,
         } => {
-            let lines = read_lines(file.as_ref())?;
+            let lines = read_lines(input(file.as_ref())?)?;
             let session = crate::pi::convert(&lines)?;
             let summary = import_pi(store, &session).await?;
             let dropped = match session.off_path {
@@ -735,7 +751,7 @@ async fn run_on(
             format: ImportFormat::Jsonl,
             file,
         } => {
-            let lines = InputLines::open(file.as_ref(), crate::event::line_limit(max_bytes))?;
+            let lines = InputLines::new(input(file.as_ref())?, crate::event::line_limit(max_bytes));
             let summary = import(store, lines, max_bytes).await?;
             writeln!(
                 out,
@@ -752,21 +768,30 @@ async fn run_on(
             file,
         } => {
             let session = parse_session(&session)?;
-            let lines = read_lines(file.as_ref())?;
+            let lines = InputLines::new(input(file.as_ref())?, crate::event::line_limit(max_bytes));
             let mut events = Vec::new();
             let mut line_numbers = Vec::new();
-            for (n, text) in &lines {
-                match parse_line(text, LineKind::Append, max_bytes) {
-                    Ok(parsed) => events.push(parsed.event),
-                    Err(error) => {
+            for line in lines {
+                let parsed = line.and_then(|(n, text)| {
+                    parse_line(&text, LineKind::Append, max_bytes)
+                        .map(|p| (n, p))
+                        .map_err(|error| CliError::Line { line: n, error })
+                });
+                match parsed {
+                    Ok((n, p)) => {
+                        events.push(p.event);
+                        line_numbers.push(n);
+                    }
+                    Err(e @ CliError::Line { .. }) => {
                         // SEMANTICS §2 judges the expected seq before the
                         // events: an append of no events checks it (a
-                        // conflict answers first), then this line's error.
+                        // conflict answers first), then this line's error
+                        // (not JSON, not UTF-8, too long, not an event).
                         store.append(session, expected_seq, Vec::new()).await?;
-                        return Err(CliError::Line { line: *n, error });
+                        return Err(e);
                     }
+                    Err(e) => return Err(e),
                 }
-                line_numbers.push(*n);
             }
             let outcome = store
                 .append(session, expected_seq, events)
@@ -914,7 +939,12 @@ async fn run_on(
             };
             if let Some(report) = &report {
                 if json {
-                    print_json(out, report)?;
+                    // The verdict is the exit code: a reader that closed
+                    // the output does not turn a broken chain into exit 0.
+                    match print_json(out, report) {
+                        Err(CliError::OutputClosed) | Ok(()) => {}
+                        Err(e) => return Err(e),
+                    }
                 }
                 if !report.intact() {
                     let first = report
@@ -1249,30 +1279,76 @@ fn count(n: usize, noun: &str) -> String {
 const UTF8_BOM: &[u8] = b"\xef\xbb\xbf";
 
 /// Standard output as the CLI writes it: every control character but the
-/// newline and the tab is written as its JSON escape (`\u001b`), so that
-/// text a session holds (a prompt, a mode, a call id) cannot move the
-/// cursor, retitle or clear the terminal that reads `history` or
-/// `context`. JSON lines are unchanged in value: their strings hold no raw
-/// control character but DEL, whose escape reads back the same.
-pub struct Printable<W: Write>(pub W);
+/// newline and the tab, C0 (U+0000–U+001F), DEL and C1 (U+0080–U+009F, which
+/// terminals in UTF-8 mode act on too: U+009B is CSI), is written as its
+/// JSON escape (`\u001b`), so that text a session holds (a prompt, a mode,
+/// a call id) cannot move the cursor, retitle or clear the terminal that
+/// reads `history` or `context`. JSON lines keep their values: an escape
+/// reads back as the character it stands for.
+pub struct Printable<W: Write> {
+    out: W,
+    /// The first byte of a two-byte UTF-8 character (0xC2) that ended the
+    /// last write: whether it starts a C1 character depends on the next.
+    held: bool,
+}
+
+impl<W: Write> Printable<W> {
+    /// Writes through to `out`.
+    pub fn new(out: W) -> Printable<W> {
+        Printable { out, held: false }
+    }
+}
 
 impl<W: Write> Write for Printable<W> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let unsafe_byte = |b: u8| (b < 0x20 && b != b'\n' && b != b'\t') || b == 0x7f;
-        let mut start = 0;
-        for (i, &b) in buf.iter().enumerate() {
-            if unsafe_byte(b) {
-                self.0.write_all(&buf[start..i])?;
-                write!(self.0, "\\u{b:04x}")?;
-                start = i + 1;
+        let c0 = |b: u8| (b < 0x20 && b != b'\n' && b != b'\t') || b == 0x7f;
+        let c1 = |b: u8| (0x80..=0x9f).contains(&b);
+        let (mut i, mut start) = (0, 0);
+        if self.held && !buf.is_empty() {
+            self.held = false;
+            if c1(buf[0]) {
+                write!(self.out, "\\u{:04x}", buf[0])?;
+                (i, start) = (1, 1);
+            } else {
+                self.out.write_all(&[0xc2])?;
             }
         }
-        self.0.write_all(&buf[start..])?;
+        while i < buf.len() {
+            let b = buf[i];
+            if c0(b) {
+                self.out.write_all(&buf[start..i])?;
+                write!(self.out, "\\u{b:04x}")?;
+                i += 1;
+                start = i;
+            } else if b == 0xc2 && i + 1 == buf.len() {
+                self.out.write_all(&buf[start..i])?;
+                self.held = true;
+                i += 1;
+                start = i;
+            } else if b == 0xc2 && c1(buf[i + 1]) {
+                self.out.write_all(&buf[start..i])?;
+                write!(self.out, "\\u{:04x}", buf[i + 1])?;
+                i += 2;
+                start = i;
+            } else {
+                i += 1;
+            }
+        }
+        self.out.write_all(&buf[start..])?;
         Ok(buf.len())
     }
 
     fn flush(&mut self) -> std::io::Result<()> {
-        self.0.flush()
+        if std::mem::take(&mut self.held) {
+            self.out.write_all(&[0xc2])?;
+        }
+        self.out.flush()
+    }
+}
+
+impl<W: Write> Drop for Printable<W> {
+    fn drop(&mut self) {
+        let _ = self.flush();
     }
 }
 
@@ -1302,8 +1378,7 @@ fn open_input(file: Option<&PathBuf>) -> Result<Box<dyn BufRead>, CliError> {
     })
 }
 
-fn read_lines(file: Option<&PathBuf>) -> Result<Vec<(usize, String)>, CliError> {
-    let reader = open_input(file)?;
+fn read_lines(reader: Box<dyn BufRead>) -> Result<Vec<(usize, String)>, CliError> {
     let mut lines = Vec::new();
     for (i, line) in reader.lines().enumerate() {
         let line = match line {
@@ -1362,10 +1437,6 @@ impl InputLines {
             if read? == 0 {
                 return Ok(None);
             }
-            // A byte order mark some editors put first is not text.
-            if line == 1 && self.buf.starts_with(UTF8_BOM) {
-                self.buf.drain(..UTF8_BOM.len());
-            }
             let ended = self.buf.last() == Some(&b'\n');
             if ended {
                 self.buf.pop();
@@ -1389,6 +1460,12 @@ impl InputLines {
                         ),
                     ),
                 });
+            }
+            // A byte order mark some editors put first is not text. It is
+            // dropped once the line is known to be whole (it counts
+            // against the limit, which has room to spare for it).
+            if line == 1 && self.buf.starts_with(UTF8_BOM) {
+                self.buf.drain(..UTF8_BOM.len());
             }
             let text = match std::str::from_utf8(&self.buf) {
                 Ok(text) => text,

@@ -32,7 +32,7 @@ fn main() {
         }
     };
     let stdout = std::io::stdout();
-    let mut out = session_store::cli::Printable(stdout.lock());
+    let mut out = session_store::cli::Printable::new(stdout.lock());
     let code = match runtime.block_on(run(cli, &mut out)) {
         Ok(()) => 0,
         Err(session_store::cli::CliError::OutputClosed) => 0,

@@ -412,6 +412,18 @@ fn append_prints_seqs_and_a_conflict_exits_3() {
             let out = run(&db.url, &["append", S, "--expected-seq", "3"], Some(bad));
             assert_eq!(out.status.code(), Some(1), "{backend}: {}", stderr(&out));
         }
+        // A line that is not UTF-8 too.
+        for (expected, code) in [("1", 3), ("3", 1)] {
+            let mut child = spawn(&db.url, &["append", S, "--expected-seq", expected]);
+            child
+                .stdin
+                .take()
+                .unwrap()
+                .write_all(b"\xff\xfe\n")
+                .unwrap();
+            let out = child.wait_with_output().unwrap();
+            assert_eq!(out.status.code(), Some(code), "{backend}: {}", stderr(&out));
+        }
         // An invalid second line rejects the whole batch and names line 2.
         let batch = "{\"type\":\"prompt_submitted\",\"text\":\"ok\"}\n{\"type\":\"tool_result\",\"call_id\":\"x\",\"tool_name\":\"y\",\"status\":\"success\"}";
         let out = run(&db.url, &["append", S, "--expected-seq", "3"], Some(batch));
@@ -1213,4 +1225,79 @@ fn import_says_what_it_kept_and_reads_past_a_byte_order_mark() {
     let out = run(&url, &["import"], Some(&pi));
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("--format pi"), "{}", stderr(&out));
+}
+
+#[test]
+fn printable_escapes_c0_del_and_c1_however_the_writes_split_them() {
+    use session_store::cli::Printable;
+    let text = "a\u{1b}[2J b\u{9b}2J c\u{9d}0;t\u{9c} é\u{a0}ü\t\n";
+    let bytes = text.as_bytes();
+    // Every split point, so a C1 character's two bytes land in two writes.
+    for cut in 0..=bytes.len() {
+        let mut out = Vec::new();
+        {
+            let mut p = Printable::new(&mut out);
+            p.write_all(&bytes[..cut]).unwrap();
+            p.write_all(&bytes[cut..]).unwrap();
+            p.flush().unwrap();
+        }
+        let shown = String::from_utf8(out).unwrap();
+        assert_eq!(
+            shown, "a\\u001b[2J b\\u009b2J c\\u009d0;t\\u009c é\u{a0}ü\t\n",
+            "cut at {cut}"
+        );
+    }
+}
+
+#[test]
+fn a_named_pipe_is_read_once_and_a_closed_output_keeps_the_verdict() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = dir.path().join("s.db").display().to_string();
+    // import from a named pipe: opened once, before the store, so the
+    // producer is not cut off and the import does not wait for a second
+    // writer.
+    let fifo = dir.path().join("in.fifo");
+    assert!(Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    let producer = {
+        let fifo = fifo.clone();
+        std::thread::spawn(move || std::fs::write(&fifo, base_log()))
+    };
+    let mut child = spawn(&url, &["import", fifo.to_str().unwrap()]);
+    drop(child.stdin.take());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "import from a named pipe hangs");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success());
+    producer.join().unwrap().unwrap();
+    // A broken chain is exit 5 even when the reader of the JSON report
+    // has gone.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        use sqlx::ConnectOptions;
+        let mut c = sqlx::sqlite::SqliteConnectOptions::new()
+            .filename(dir.path().join("s.db"))
+            .connect()
+            .await
+            .unwrap();
+        sqlx::raw_sql(
+            "DROP TRIGGER events_no_update; UPDATE events SET payload = replace(payload, 'agent', 'chat') WHERE seq = 1;",
+        )
+        .execute(&mut c)
+        .await
+        .unwrap();
+    });
+    let mut child = spawn(&url, &["verify", "--integrity", "--json"]);
+    drop(child.stdin.take());
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(5), "{}", stderr(&out));
 }
