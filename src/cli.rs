@@ -711,7 +711,8 @@ async fn run_on(
     input: Option<Box<dyn BufRead>>,
     out: &mut dyn Write,
 ) -> Result<(), CliError> {
-    // The input `run` opened, or the command's own (library callers).
+    // The input `run` opened for import and append (before the store);
+    // opened here if it was not.
     let input = |file: Option<&PathBuf>| match input {
         Some(reader) => Ok(reader),
         None => open_input(file),
@@ -772,12 +773,7 @@ async fn run_on(
             let mut events = Vec::new();
             let mut line_numbers = Vec::new();
             for line in lines {
-                let parsed = line.and_then(|(n, text)| {
-                    parse_line(&text, LineKind::Append, max_bytes)
-                        .map(|p| (n, p))
-                        .map_err(|error| CliError::Line { line: n, error })
-                });
-                match parsed {
+                match parse_input_line(line, LineKind::Append, max_bytes) {
                     Ok((n, p)) => {
                         events.push(p.event);
                         line_numbers.push(n);
@@ -1410,11 +1406,6 @@ pub struct InputLines {
 }
 
 impl InputLines {
-    /// The lines of `file`, or of standard input.
-    pub fn open(file: Option<&PathBuf>, limit: usize) -> Result<InputLines, CliError> {
-        Ok(InputLines::new(open_input(file)?, limit))
-    }
-
     /// The lines of `reader`.
     pub fn new(reader: Box<dyn BufRead>, limit: usize) -> InputLines {
         InputLines {
@@ -1536,6 +1527,33 @@ impl Iterator for InputLines {
     }
 }
 
+/// One line that [`InputLines`] read, parsed as `kind`: the line's number
+/// and event, or the error naming the line.
+fn parse_input_line(
+    line: Result<(usize, String), CliError>,
+    kind: LineKind,
+    max_bytes: usize,
+) -> Result<(usize, ParsedLine), CliError> {
+    let (n, text) = line?;
+    parse_line(&text, kind, max_bytes)
+        .map(|p| (n, p))
+        .map_err(|mut error| {
+            // A pi session file's header, given to the JSONL import.
+            if kind == LineKind::Import
+                && n == 1
+                && error.rule == Rule::MissingField
+                && error.field.as_deref() == Some("session_id")
+                && serde_json::from_str::<serde_json::Value>(&text)
+                    .is_ok_and(|v| v["type"] == "session")
+            {
+                error
+                    .message
+                    .push_str("; this looks like a pi session file: import it with --format pi");
+            }
+            CliError::Line { line: n, error }
+        })
+}
+
 /// Turns a batch-indexed validation error into one that names the line.
 fn at_line(e: Error, line_numbers: &[usize]) -> CliError {
     match e {
@@ -1594,24 +1612,7 @@ async fn import_into(
     let mut batch: Vec<(usize, NewEvent)> = Vec::new();
     let mut batch_session = None;
     for line in lines {
-        let parsed = line.and_then(|(n, text)| {
-            parse_line(&text, LineKind::Import, max_bytes)
-                .map(|p| (n, p))
-                .map_err(|mut error| {
-                    // A pi session file's header, given to the JSONL reader.
-                    if n == 1
-                        && error.rule == Rule::MissingField
-                        && error.field.as_deref() == Some("session_id")
-                        && serde_json::from_str::<serde_json::Value>(&text)
-                            .is_ok_and(|v| v["type"] == "session")
-                    {
-                        error.message.push_str(
-                            "; this looks like a pi session file: import it with --format pi",
-                        );
-                    }
-                    CliError::Line { line: n, error }
-                })
-        });
+        let parsed = parse_input_line(line, LineKind::Import, max_bytes);
         let (n, ParsedLine { session_id, event }) = match parsed {
             Ok(p) => p,
             Err(error) => {

@@ -341,7 +341,7 @@ fn parse_session_id(id: &str) -> Result<Uuid, ApiError> {
     })
 }
 
-pub(crate) fn query<T>(q: Result<Query<T>, QueryRejection>) -> Result<T, ApiError> {
+fn query<T>(q: Result<Query<T>, QueryRejection>) -> Result<T, ApiError> {
     q.map(|Query(t)| t)
         .map_err(|e| ApiError::bad_request(query_message(&e.body_text())))
 }

@@ -209,6 +209,15 @@ const STORE_TABLES: [&str; 8] = [
     "changes_backfill",
 ];
 
+/// Whether a path's lookup failed because nothing is there: the file, or
+/// a directory on its way (a file where a directory should be).
+fn is_missing(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+    )
+}
+
 /// Where a new store file would go: a missing directory is the caller's
 /// mistake (exit 1), said as such, not the "unable to open database file"
 /// of a storage outage.
@@ -222,17 +231,10 @@ fn check_parent(path: &str) -> Result<()> {
             "cannot create a session store at {path}: {} is not a directory",
             parent.display()
         ))),
-        Err(e)
-            if matches!(
-                e.kind(),
-                std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
-            ) =>
-        {
-            Err(Error::NotAStore(format!(
-                "cannot create a session store at {path}: the directory {} does not exist",
-                parent.display()
-            )))
-        }
+        Err(e) if is_missing(&e) => Err(Error::NotAStore(format!(
+            "cannot create a session store at {path}: the directory {} does not exist",
+            parent.display()
+        ))),
         // A directory, or one that cannot be looked at: the connection
         // says what is wrong with it.
         _ => Ok(()),
@@ -260,12 +262,7 @@ async fn check_file(url: &str, create: bool) -> Result<()> {
     let path = name.as_ref();
     let meta = match std::fs::metadata(path) {
         Ok(meta) => meta,
-        Err(e)
-            if matches!(
-                e.kind(),
-                std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
-            ) =>
-        {
+        Err(e) if is_missing(&e) => {
             return match create {
                 true => check_parent(path),
                 false => Err(Error::NotAStore(format!(
