@@ -846,3 +846,55 @@ async fn sqlite_append_cancelled_at_any_point_never_keeps_the_write_lock() {
     assert!(cancelled > 0, "no append was cancelled");
     assert_eq!(a.verify(sa).await.unwrap(), None);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_reads_never_wait_for_another_processs_writer() {
+    // WAL readers never block (docs/multi-instance.md): opening a store and
+    // reading it must not queue for the file's write lock, which another
+    // process may hold for a long time (a stalled writer, a long rebuild).
+    use sqlx::Connection;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("busy.db");
+    let url = path.display().to_string();
+    let s = Uuid::new_v4();
+    {
+        let store = Store::open(&url).await.unwrap();
+        store
+            .append(s, 0, vec![started(), catalog(&["web_fetch"]), prompt("hi")])
+            .await
+            .unwrap();
+        store.close().await;
+    }
+    let mut writer = sqlx::SqliteConnection::connect(&format!("sqlite://{url}"))
+        .await
+        .unwrap();
+    sqlx::raw_sql("BEGIN IMMEDIATE")
+        .execute(&mut writer)
+        .await
+        .unwrap();
+    let started_at = std::time::Instant::now();
+    let reads = async {
+        let store = Store::open(&url).await.unwrap();
+        assert_eq!(store.head_seq(s).await.unwrap(), 3);
+        assert_eq!(store.history(s, 0, 10).await.unwrap().len(), 3);
+        assert_eq!(store.context(s, None).await.unwrap().as_of_seq, 3);
+        assert!(store.activations(s, None).await.unwrap().tools.is_empty());
+        assert_eq!(store.recover(s).await.unwrap().latest_seq, 3);
+        assert_eq!(store.verify(s).await.unwrap(), None);
+        assert!(store.verify_integrity(None).await.unwrap().intact());
+        assert_eq!(store.feed(0, 10).await.unwrap().len(), 3);
+        store.close().await;
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(5), reads)
+        .await
+        .expect("reads waited for another connection's write lock");
+    assert!(
+        started_at.elapsed() < std::time::Duration::from_secs(5),
+        "took {:?}",
+        started_at.elapsed()
+    );
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut writer)
+        .await
+        .unwrap();
+}

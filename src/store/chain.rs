@@ -171,6 +171,16 @@ impl Store {
             tx.commit().await?;
             Ok(pending.len())
         }
+        // Read first: the write lock is only worth waiting for when there
+        // is something to chain, and every command opens the store (a
+        // read-only one must not queue behind another process's writer).
+        let pending = match &self.backend {
+            Backend::Sqlite(b) => b.begin_read().await?.backfill_pending(1).await?,
+            Backend::Postgres(b) => b.begin_read().await?.backfill_pending(1).await?,
+        };
+        if pending.is_empty() {
+            return Ok(());
+        }
         let mut total = 0;
         loop {
             let n = match &self.backend {

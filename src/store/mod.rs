@@ -1795,6 +1795,15 @@ impl Store {
             tx.commit().await?;
             Ok(pending.len())
         }
+        // Read first, as `backfill_chains` does: no write lock when nothing
+        // is pending.
+        let pending = match &self.backend {
+            Backend::Sqlite(b) => b.begin_read().await?.changes_backfill_pending(1).await?,
+            Backend::Postgres(b) => b.begin_read().await?.changes_backfill_pending(1).await?,
+        };
+        if pending.is_empty() {
+            return Ok(());
+        }
         let mut total = 0;
         loop {
             let n = match &self.backend {
