@@ -384,3 +384,91 @@ fn every_audit_query_reads_an_index_on_sqlite() {
         }
     });
 }
+
+#[test]
+fn time_bounds_finer_than_a_microsecond_keep_since_inclusive_and_until_exclusive() {
+    // Stored times have whole microseconds; a bound between two of them
+    // must neither take the row just below it (`since`) nor drop it
+    // (`until`), on both backends.
+    let s = "11111111-1111-4111-8111-111111111111";
+    let at = |t: &str| format!("\"recorded_at\":\"2026-12-01T00:00:0{t}Z\"");
+    let lines = [
+        format!(
+            r#"{{"session_id":"{s}","type":"session_started","mode":"agent",{}}}"#,
+            at("0")
+        ),
+        format!(
+            r#"{{"session_id":"{s}","type":"catalog_defined","mode":"agent","deferred_tools":["web_fetch"],{}}}"#,
+            at("0")
+        ),
+        format!(
+            r#"{{"session_id":"{s}","type":"tool_call","call_id":"c1","tool_name":"web_fetch","input":null,{}}}"#,
+            at("0")
+        ),
+        format!(
+            r#"{{"session_id":"{s}","type":"tool_result","call_id":"c1","tool_name":"web_fetch","status":"success",{}}}"#,
+            at("0")
+        ),
+        format!(
+            r#"{{"session_id":"{s}","type":"prompt_submitted","text":"a",{}}}"#,
+            at("1")
+        ),
+    ];
+    for (name, db) in backends() {
+        let url = db.url.as_str();
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("times.jsonl");
+        std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+        let o = run(url, &["import", file.to_str().unwrap()]);
+        assert!(
+            o.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let count = |args: &[&str], key: &str| -> usize {
+            let v = json_of(&run(url, args));
+            v[key].as_array().unwrap().len()
+        };
+        let events = |bound: &str, t: &str| {
+            count(
+                &[
+                    "audit",
+                    "events",
+                    "--type",
+                    "prompt_submitted",
+                    bound,
+                    t,
+                    "--json",
+                ],
+                "events",
+            )
+        };
+        let changes =
+            |bound: &str, t: &str| count(&["audit", "changes", bound, t, "--json"], "changes");
+        // The row at 00:00:01.000000 is below 00:00:01.0000005.
+        let after_row = "2026-12-01T00:00:01.0000005Z";
+        assert_eq!(events("--since", after_row), 0, "{name}");
+        assert_eq!(events("--until", after_row), 1, "{name}");
+        assert_eq!(changes("--since", after_row), 0, "{name}");
+        assert_eq!(changes("--until", after_row), 1, "{name}");
+        // And above 00:00:00.9999995.
+        let before_row = "2026-12-01T00:00:00.9999995Z";
+        assert_eq!(events("--since", before_row), 1, "{name}");
+        assert_eq!(events("--until", before_row), 0, "{name}");
+        assert_eq!(changes("--since", before_row), 1, "{name}");
+        assert_eq!(changes("--until", before_row), 0, "{name}");
+        // A whole microsecond is taken as it is.
+        assert_eq!(events("--since", "2026-12-01T00:00:01Z"), 1, "{name}");
+        assert_eq!(events("--until", "2026-12-01T00:00:01Z"), 0, "{name}");
+        // View drift is a state of the current views, not of a time.
+        for bound in ["--since", "--until"] {
+            let o = run(url, &["audit", "anomalies", "view-drift", bound, after_row]);
+            assert_eq!(o.status.code(), Some(1), "{name} {bound}");
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert!(
+                err.contains("does not apply to view drift"),
+                "{name}: {err}"
+            );
+        }
+    }
+}

@@ -326,6 +326,23 @@ both_backends!(
         assert_eq!(v["anomalies"][0]["session_id"], json!(b.to_string()));
         let (_, v) = get(&app, "/v1/audit/anomalies?kind=view_drift", A_AUDITOR).await;
         assert_eq!(v["anomalies"], json!([]));
+        // Drift is of the current views: a time filter does not apply.
+        for bound in ["since", "until"] {
+            let (s, v) = get(
+                &app,
+                &format!("/v1/audit/anomalies?kind=view_drift&{bound}=2099-01-01T00:00:00Z"),
+                A_AUDITOR,
+            )
+            .await;
+            assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+            assert!(
+                v["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains(&format!("`{bound}` does not apply")),
+                "{v}"
+            );
+        }
 
         // Scope and bad input.
         let (s, _) = get(&app, "/v1/audit/events", A_WRITER).await;

@@ -318,6 +318,12 @@ pub(super) async fn audit_anomalies(
             ))
         })?,
     };
+    if kind == AnomalyKind::ViewDrift {
+        q.refuse(
+            "/v1/audit/anomalies?kind=view_drift",
+            &[("since", q.since.is_some()), ("until", q.until.is_some())],
+        )?;
+    }
     let page = server
         .inner
         .store

@@ -184,6 +184,18 @@ pub struct AnomalyPage {
     pub next: Option<String>,
 }
 
+/// `t` moved up to a whole microsecond (itself when it is one).
+fn ceil_micros(t: DateTime<Utc>) -> DateTime<Utc> {
+    let below = i64::from(t.timestamp_subsec_nanos() % 1_000);
+    match below {
+        0 => t,
+        // The last representable instant has no next microsecond: kept.
+        n => t
+            .checked_add_signed(chrono::Duration::nanoseconds(1_000 - n))
+            .unwrap_or(t),
+    }
+}
+
 fn bad(field: &str, message: String) -> Error {
     Error::Invalid(ValidationError::new(
         Rule::MistypedField,
@@ -224,13 +236,17 @@ impl Scope {
             q.push(format!(" AND {t}.session_id = "));
             DB::push_uuid(q, s);
         }
+        // Stored times have whole microseconds: a bound finer than that
+        // is moved up to the next one, which keeps `since` inclusive and
+        // `until` exclusive exactly (cut down, both would take or drop a
+        // row at the microsecond below the bound).
         if let Some(since) = self.since {
             q.push(format!(" AND {t}.recorded_at >= "));
-            DB::push_time(q, since);
+            DB::push_time(q, ceil_micros(since));
         }
         if let Some(until) = self.until {
             q.push(format!(" AND {t}.recorded_at < "));
-            DB::push_time(q, until);
+            DB::push_time(q, ceil_micros(until));
         }
         if let Some(tenant) = &self.tenant {
             // A session without an owner row belongs to the default tenant.
@@ -502,7 +518,19 @@ impl Store {
         match q.kind {
             AnomalyKind::UnansweredCall => self.unanswered(q).await,
             AnomalyKind::UnknownEvidenceName => self.unknown_names(q).await,
-            AnomalyKind::ViewDrift => self.drifted(q).await,
+            AnomalyKind::ViewDrift => {
+                // Drift is a state of a session's derived rows now, not of
+                // a time: a time filter would be silently ignored.
+                for (name, given) in [("since", q.scope.since), ("until", q.scope.until)] {
+                    if given.is_some() {
+                        return Err(bad(
+                            name,
+                            format!("`{name}` does not apply to view drift: it is checked on every session's current view"),
+                        ));
+                    }
+                }
+                self.drifted(q).await
+            }
         }
     }
 
