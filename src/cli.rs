@@ -344,6 +344,14 @@ pub struct ServeArgs {
     /// Seconds shutdown waits for in-flight requests and appends.
     #[arg(long, default_value = "30", value_parser = parse_seconds)]
     pub shutdown_grace: std::time::Duration,
+    /// Seconds a client has to send a request's headers; an idle kept-alive
+    /// connection is closed after as long.
+    #[arg(long, default_value = "15", value_parser = parse_seconds)]
+    pub header_timeout: std::time::Duration,
+    /// Connections served at once (streams included); more wait until one
+    /// closes.
+    #[arg(long, default_value_t = crate::server::DEFAULT_MAX_CONNECTIONS as u32, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: u32,
 }
 
 /// Which backends `bench` measures.
@@ -607,6 +615,8 @@ async fn serve(
         body_limit: args.body_limit,
         request_timeout: args.request_timeout,
         shutdown_grace: args.shutdown_grace,
+        header_timeout: args.header_timeout,
+        max_connections: args.max_connections as usize,
     };
     let store = std::sync::Arc::new(Store::open_with(database, options).await?);
     let listener = tokio::net::TcpListener::bind(args.listen)

@@ -399,6 +399,28 @@ both_backends!(tokens_scopes_and_tenants, |url: String| async move {
         .unwrap();
     assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
     assert_eq!(response.headers()[header::WWW_AUTHENTICATE], "Bearer");
+    // Who asks is judged before the query, on every session route.
+    for route in [
+        "events",
+        "context",
+        "activations",
+        "recover",
+        "refreshes",
+        "explain/web_fetch",
+        "stream",
+    ] {
+        let response = app
+            .clone()
+            .oneshot(
+                Request::builder()
+                    .uri(format!("/v1/sessions/{id}/{route}?x=1"))
+                    .body(Body::empty())
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::UNAUTHORIZED, "{route}");
+    }
     let (s, v) = post(&app, &uri, Some("tenant-a-writer-0123456788"), &body).await;
     assert_error(s, &v, StatusCode::UNAUTHORIZED, "unauthorized");
     assert!(
@@ -921,4 +943,81 @@ fn committed_openapi_document_matches_the_code() {
         committed == generated,
         "docs/openapi.json is stale: run `cargo run -- openapi > docs/openapi.json` and commit it"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_clients_cannot_hold_connections_and_the_cap_queues_the_rest() {
+    // A client that connects and sends nothing, half a request's headers,
+    // or nothing more after an answer (kept alive) is closed after the
+    // header timeout; at the connection cap, a new client waits for a slot
+    // instead of being accepted and starved (docs/api.md, "Limits").
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(
+        Store::open(&dir.path().join("s.db").display().to_string())
+            .await
+            .unwrap(),
+    );
+    let server = Server::new(
+        store,
+        ServerConfig {
+            header_timeout: Duration::from_secs(1),
+            max_connections: 3,
+            ..ServerConfig::default()
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(server.serve(listener, async move {
+        let _ = stopped.await;
+    }));
+    let connect = || tokio::net::TcpStream::connect(addr);
+    let request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n";
+    let mut silent = connect().await.unwrap();
+    let mut half = connect().await.unwrap();
+    half.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    let mut kept = connect().await.unwrap();
+    kept.write_all(request).await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = kept.read(&mut buf).await.unwrap();
+    assert!(buf[..n].starts_with(b"HTTP/1.1 200"), "{:?}", &buf[..n]);
+    // The cap is reached: a fourth client is answered once a slot frees.
+    let started = std::time::Instant::now();
+    let mut fourth = connect().await.unwrap();
+    fourth
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), fourth.read_to_end(&mut answer))
+        .await
+        .expect("the fourth client was answered")
+        .unwrap();
+    assert!(answer.starts_with(b"HTTP/1.1 200"), "{answer:?}");
+    assert!(
+        started.elapsed() >= Duration::from_millis(500),
+        "answered after {:?}: the cap did not hold it",
+        started.elapsed()
+    );
+    // The three stalled clients were closed by the server.
+    for (name, conn) in [
+        ("silent", &mut silent),
+        ("half", &mut half),
+        ("kept", &mut kept),
+    ] {
+        let mut rest = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut rest))
+            .await
+            .unwrap_or_else(|_| panic!("the {name} connection is still open"))
+            .unwrap();
+    }
+    stop.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(10), serving)
+        .await
+        .expect("shutdown")
+        .unwrap()
+        .unwrap();
 }

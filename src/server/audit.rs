@@ -108,8 +108,10 @@ pub(super) async fn refreshes(
     SessionPath(id): SessionPath,
     q: Result<Query<super::NoQuery>, QueryRejection>,
 ) -> Result<Json<RefreshList>, ApiError> {
-    query(q)?;
+    // Who asks first, as on every route: a caller without a token hears
+    // 401, whatever its query.
     let (_, session_id) = server.session_for(&headers, Scope::Read, &id).await?;
+    query(q)?;
     let mut refreshes = Vec::new();
     server
         .inner

@@ -19,8 +19,11 @@ use crate::{Error, ValidationError};
 #[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize, ToSchema)]
 pub struct ErrorBody {
     /// A stable code: `unauthorized`, `forbidden`, `not_found`,
-    /// `bad_request`, `unsupported_media_type`, `payload_too_large`,
-    /// `invalid`, `conflict`, `unavailable`, `timeout`, `internal`.
+    /// `method_not_allowed`, `bad_request`, `unsupported_media_type`,
+    /// `payload_too_large`, `invalid`, `seq_out_of_range`,
+    /// `prompt_out_of_range`, `conflict`, `unavailable`, `timeout`,
+    /// `internal`. Any route may also answer 405 `method_not_allowed` to a
+    /// method it does not take, and 503 `unavailable` or `timeout`.
     pub error: String,
     /// One sentence saying what is wrong.
     pub message: String,

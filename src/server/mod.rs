@@ -64,6 +64,11 @@ pub const DEFAULT_PAGE: i64 = 100;
 pub const MAX_PAGE: i64 = 1_000;
 /// How often an idle stream sends a keep-alive comment.
 const KEEP_ALIVE: Duration = Duration::from_secs(15);
+/// The default time a client has to send a request's headers, and the
+/// longest a kept-alive connection may sit idle.
+pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(15);
+/// The default number of connections served at once (streams included).
+pub const DEFAULT_MAX_CONNECTIONS: usize = 4_096;
 
 /// How the server behaves.
 #[derive(Debug)]
@@ -77,6 +82,14 @@ pub struct ServerConfig {
     pub request_timeout: Duration,
     /// How long shutdown waits for in-flight work.
     pub shutdown_grace: Duration,
+    /// How long a client has to send a request's headers once it connected
+    /// or its previous answer was sent (an idle kept-alive connection is
+    /// closed after as long): a client that connects and stalls cannot hold
+    /// a connection.
+    pub header_timeout: Duration,
+    /// Connections served at once; more wait in the listen queue until one
+    /// closes, so the process never runs out of file descriptors.
+    pub max_connections: usize,
 }
 
 impl Default for ServerConfig {
@@ -86,6 +99,8 @@ impl Default for ServerConfig {
             body_limit: DEFAULT_BODY_LIMIT,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
+            header_timeout: DEFAULT_HEADER_TIMEOUT,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
         }
     }
 }
@@ -172,28 +187,72 @@ impl Server {
     /// gracefully: stops accepting connections, ends streams, lets
     /// in-flight requests answer and in-flight appends commit, for at most
     /// the configured grace.
+    ///
+    /// Connections are served by hyper directly (not `axum::serve`) for two
+    /// limits `axum::serve` does not set: a header-read timeout, which also
+    /// closes idle kept-alive connections, and a cap on connections served
+    /// at once. Without them a client that opened connections and sent
+    /// nothing (or half a request) kept them forever, until the process ran
+    /// out of file descriptors and answered nobody.
     pub async fn serve(
         self,
         listener: tokio::net::TcpListener,
         signal: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
+        use hyper_util::rt::{TokioIo, TokioTimer};
+        use hyper_util::server::graceful::GracefulShutdown;
+        use hyper_util::service::TowerToHyperService;
+
         let inner = self.inner.clone();
         let grace = inner.config.shutdown_grace;
-        let app = self.router();
-        let notify = inner.shutdown.clone();
-        let graceful = axum::serve(listener, app).with_graceful_shutdown(async move {
-            signal.await;
-            info!("shutting down: finishing in-flight requests");
-            notify.send_replace(true);
-        });
-        let mut started = inner.shutdown.subscribe();
-        let cap = async move {
-            let _ = started.wait_for(|s| *s).await;
-            tokio::time::sleep(grace).await;
-        };
+        let service = TowerToHyperService::new(self.router());
+        let mut http = hyper::server::conn::http1::Builder::new();
+        http.timer(TokioTimer::new())
+            .header_read_timeout(inner.config.header_timeout);
+        let slots = Arc::new(tokio::sync::Semaphore::new(
+            inner.config.max_connections.max(1),
+        ));
+        let connections = GracefulShutdown::new();
+        tokio::pin!(signal);
+        loop {
+            // A slot first: at the cap, connections wait in the listen
+            // queue rather than being accepted and starved.
+            let slot = tokio::select! {
+                () = &mut signal => break,
+                slot = slots.clone().acquire_owned() => match slot {
+                    Ok(slot) => slot,
+                    Err(_) => break,
+                },
+            };
+            let stream = tokio::select! {
+                () = &mut signal => break,
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, _)) => stream,
+                    Err(e) => {
+                        // Out of descriptors, or a connection reset before
+                        // it was accepted: wait a moment and go on.
+                        warn!(cause = %e, "cannot accept a connection");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            let _ = stream.set_nodelay(true);
+            let connection =
+                connections.watch(http.serve_connection(TokioIo::new(stream), service.clone()));
+            tokio::spawn(async move {
+                if let Err(e) = connection.await {
+                    debug!(cause = %e, "connection ended");
+                }
+                drop(slot);
+            });
+        }
+        drop(listener);
+        info!("shutting down: finishing in-flight requests");
+        inner.shutdown.send_replace(true);
         tokio::select! {
-            r = std::future::IntoFuture::into_future(graceful) => r?,
-            _ = cap => warn!(grace_s = grace.as_secs_f64(), "requests still open after the shutdown grace; closing them"),
+            () = connections.shutdown() => {}
+            () = tokio::time::sleep(grace) => warn!(grace_s = grace.as_secs_f64(), "requests still open after the shutdown grace; closing them"),
         }
         // Appends run in their own tasks (a client hanging up must not cut
         // one off); wait for the last to commit or fail.
@@ -853,8 +912,10 @@ async fn recover(
     SessionPath(id): SessionPath,
     q: Result<Query<NoQuery>, QueryRejection>,
 ) -> Result<Json<Recovery>, ApiError> {
-    query(q)?;
+    // Who asks first, as on every route: a caller without a token hears
+    // 401, whatever its query.
     let (_, session_id) = server.session_for(&headers, Scope::Read, &id).await?;
+    query(q)?;
     Ok(Json(server.inner.store.recover(session_id).await?))
 }
 
