@@ -120,6 +120,51 @@ pub struct Activations {
     pub tools: Vec<Activation>,
 }
 
+/// `body` without what [`SessionState::shed_payloads`] empties, in place.
+fn shed(body: &mut EventBody) {
+    match body {
+        EventBody::PromptSubmitted { text } | EventBody::AssistantMessage { text } => {
+            *text = String::new()
+        }
+        EventBody::ToolCall { input, .. } => *input = serde_json::Value::Null,
+        EventBody::ToolResult { output, .. } => *output = None,
+        _ => {}
+    }
+}
+
+/// A copy of `body` without what [`SessionState::shed_payloads`] empties.
+fn shed_copy(body: &EventBody) -> EventBody {
+    match body {
+        EventBody::PromptSubmitted { .. } => EventBody::PromptSubmitted {
+            text: String::new(),
+        },
+        EventBody::AssistantMessage { .. } => EventBody::AssistantMessage {
+            text: String::new(),
+        },
+        EventBody::ToolCall {
+            call_id, tool_name, ..
+        } => EventBody::ToolCall {
+            call_id: call_id.clone(),
+            tool_name: tool_name.clone(),
+            input: serde_json::Value::Null,
+        },
+        EventBody::ToolResult {
+            call_id,
+            tool_name,
+            status,
+            added_tool_names,
+            ..
+        } => EventBody::ToolResult {
+            call_id: call_id.clone(),
+            tool_name: tool_name.clone(),
+            status: *status,
+            output: None,
+            added_tool_names: added_tool_names.clone(),
+        },
+        other => other.clone(),
+    }
+}
+
 impl SessionState {
     /// The state of a session with no events.
     pub fn empty(session_id: Uuid) -> SessionState {
@@ -159,6 +204,34 @@ impl SessionState {
     pub fn apply_owned(&mut self, event: StoredEvent) {
         if self.fold_in(&event) {
             self.rows.push(event);
+        }
+    }
+
+    /// Empties the texts, call inputs and result outputs of the window's
+    /// rows, keeping everything the activation set reads (§7: which calls
+    /// and results, their tools, statuses and added names). For a holder
+    /// that only ever asks for [`SessionState::activations`], such as an
+    /// HTTP stream: the window's texts can be megabytes per row, and each
+    /// open stream kept its own copy. [`SessionState::context`] of a shed
+    /// state has empty texts; do not ask it.
+    pub fn shed_payloads(&mut self) {
+        for row in &mut self.rows {
+            shed(&mut row.body);
+        }
+    }
+
+    /// [`SessionState::apply`] followed by [`SessionState::shed_payloads`]
+    /// of the new row, without copying what is shed.
+    pub fn apply_shed(&mut self, event: &StoredEvent) {
+        if self.fold_in(event) {
+            self.rows.push(StoredEvent {
+                session_id: event.session_id,
+                seq: event.seq,
+                event_id: event.event_id,
+                position: event.position,
+                recorded_at: event.recorded_at,
+                body: shed_copy(&event.body),
+            });
         }
     }
 
@@ -340,7 +413,9 @@ impl SessionState {
 mod tests {
     //! The consequences listed in SEMANTICS §7, each one a test.
 
+    use crate::event::EventBody;
     use crate::event::ToolStatus::*;
+    use crate::projector::SessionState;
     use crate::testkit::*;
 
     fn searched() -> Log {
@@ -353,6 +428,39 @@ mod tests {
             .push(prompt("find"))
             .push(call("c1", "ToolSearch"))
             .push(result("c1", "ToolSearch", Success, &["web_fetch"]))
+    }
+
+    #[test]
+    fn a_shed_state_has_the_same_activation_set_at_every_seq() {
+        // Streams keep states without texts, inputs or outputs: the set
+        // must not depend on them, whether shed at once or row by row.
+        let log = searched()
+            .push(call("c2", "web_fetch"))
+            .push(result("c2", "web_fetch", Success, &[]))
+            .push(prompt("more"))
+            .push(compaction(Some(6)))
+            .push(switch("plan"))
+            .push(catalog("plan", &["web_fetch"]))
+            .push(switch("agent"))
+            .push(call("c3", "ToolSearch"))
+            .push(result("c3", "ToolSearch", Error, &[]))
+            .push(prompt("again"));
+        let mut shed_each = SessionState::empty(uuid::Uuid::nil());
+        for n in 1..=log.events.len() {
+            let full = SessionState::fold(uuid::Uuid::nil(), &log.events[..n]);
+            let mut shed_once = full.clone();
+            shed_once.shed_payloads();
+            shed_each.apply_shed(&log.events[n - 1]);
+            assert_eq!(shed_once.activations(), full.activations(), "seq {n}");
+            assert_eq!(shed_each.activations(), full.activations(), "seq {n}");
+            assert!(shed_each.rows.iter().all(|r| match &r.body {
+                EventBody::PromptSubmitted { text } | EventBody::AssistantMessage { text } =>
+                    text.is_empty(),
+                EventBody::ToolCall { input, .. } => input.is_null(),
+                EventBody::ToolResult { output, .. } => output.is_none(),
+                _ => true,
+            }));
+        }
     }
 
     #[test]

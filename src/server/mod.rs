@@ -981,7 +981,7 @@ async fn stream(
         return Err(ApiError::bad_request("`after_seq` must be ≥ 0"));
     }
     let store = &server.inner.store;
-    let (state, announce) = match last_event_id.or(q.after_seq) {
+    let (mut state, announce) = match last_event_id.or(q.after_seq) {
         Some(0) => (SessionState::empty(session_id), false),
         // `event N` and `activations N` share the id N: a client cut off
         // between the two resumes with N and must still get the set, so
@@ -994,20 +994,59 @@ async fn stream(
         }
         None => (store.state(session_id, None).await?, true),
     };
-    let (tx, rx) = mpsc::channel::<Result<SseEvent, Infallible>>(64);
+    // The stream only ever announces activation sets: the window's texts,
+    // inputs and outputs are not kept (one copy per open stream).
+    state.shed_payloads();
+    // A few events ahead of the client, not more: with events of up to the
+    // largest accepted size, each one held here is memory a client that
+    // stops reading makes the server keep.
+    let (tx, rx) = mpsc::channel::<Result<SseEvent, Infallible>>(STREAM_AHEAD);
     tokio::spawn(feed_stream(server.clone(), session_id, state, announce, tx));
     Ok(Sse::new(ReceiverStream::new(rx))
         .keep_alive(KeepAlive::new().interval(KEEP_ALIVE))
         .into_response())
 }
 
+/// Events a stream's task may have sent ahead of what its client read.
+const STREAM_AHEAD: usize = 2;
+/// About how many bytes of events a stream reads from the store at once.
+const STREAM_PAGE_BYTES: usize = 1024 * 1024;
+/// The most events a stream reads at once (small events).
+const STREAM_PAGE_EVENTS: i64 = 500;
+
+/// How many events a stream's next catch-up read asks for, given the
+/// bytes of JSON its previous page held (`None` before the first): about
+/// [`STREAM_PAGE_BYTES`], so a page of large events (up to the store's
+/// event limit, 1 MiB by default) does not hold hundreds of megabytes per
+/// stream, while small events still come 500 at a time. The first page is
+/// small, before anything is known.
+fn stream_page_limit(previous: Option<(usize, usize)>) -> i64 {
+    match previous {
+        None => 2,
+        Some((_, 0)) => STREAM_PAGE_EVENTS,
+        Some((bytes, events)) => {
+            let average = (bytes / events).max(1);
+            ((STREAM_PAGE_BYTES / average) as i64).clamp(1, STREAM_PAGE_EVENTS)
+        }
+    }
+}
+
 fn sse_json<T: Serialize>(kind: &str, id: i64, value: &T) -> SseEvent {
+    sse_text(kind, id, value).0
+}
+
+/// [`sse_json`] and the length of its data.
+fn sse_text<T: Serialize>(kind: &str, id: i64, value: &T) -> (SseEvent, usize) {
     // Our types always serialize; an empty object would be the fallback.
     let data = serde_json::to_string(value).unwrap_or_else(|_| "{}".to_owned());
-    SseEvent::default()
-        .event(kind)
-        .id(id.to_string())
-        .data(data)
+    let len = data.len();
+    (
+        SseEvent::default()
+            .event(kind)
+            .id(id.to_string())
+            .data(data),
+        len,
+    )
 }
 
 /// Sends a session's events from `state.seq` on, then waits for more,
@@ -1043,10 +1082,12 @@ async fn feed_stream(
                 return;
             }
         };
+        let mut previous = None;
         loop {
             // Catch up page by page, then wait for the head to move.
             loop {
-                let page = match store.history(session_id, state.seq, 500).await {
+                let limit = stream_page_limit(previous);
+                let page = match store.history(session_id, state.seq, limit).await {
                     Ok(p) => p,
                     Err(e) => {
                         warn!(cause = %e, "stream read failed; retrying");
@@ -1057,13 +1098,17 @@ async fn feed_stream(
                 if page.is_empty() {
                     break;
                 }
-                for ev in &page {
-                    state.apply(ev);
+                let mut bytes = 0;
+                let events = page.len();
+                for ev in page {
+                    state.apply_shed(&ev);
                     let lag = (chrono::Utc::now() - ev.recorded_at).num_milliseconds();
                     metrics
                         .subscription_lag_seconds
                         .observe(lag.max(0) as f64 / 1000.0);
-                    if tx.send(Ok(sse_json("event", ev.seq, ev))).await.is_err() {
+                    let (sse, len) = sse_text("event", ev.seq, &ev);
+                    bytes += len;
+                    if tx.send(Ok(sse)).await.is_err() {
                         return;
                     }
                     if ev.body.is_refresh_point()
@@ -1075,6 +1120,7 @@ async fn feed_stream(
                         return;
                     }
                 }
+                previous = Some((bytes, events));
             }
             tokio::select! {
                 _ = tx.closed() => return,
@@ -1152,4 +1198,22 @@ async fn metrics_text(State(server): State<Server>) -> Response {
 )]
 async fn openapi_doc() -> Response {
     ([(header::CONTENT_TYPE, "application/json")], openapi_json()).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stream_pages_hold_about_a_mebibyte_of_events() {
+        // The first page is small; then about 1 MiB of JSON a page: one
+        // event of 1 MiB, 1 000 events of 1 KiB capped at 500, never 0.
+        assert_eq!(stream_page_limit(None), 2);
+        assert_eq!(stream_page_limit(Some((16 * 1024 * 1024, 16))), 1);
+        assert_eq!(stream_page_limit(Some((64 * 1024 * 1024, 16))), 1);
+        assert_eq!(stream_page_limit(Some((16 * 64 * 1024, 16))), 16);
+        assert_eq!(stream_page_limit(Some((16 * 1024, 16))), 500);
+        assert_eq!(stream_page_limit(Some((0, 16))), 500);
+        assert_eq!(stream_page_limit(Some((0, 0))), 500);
+    }
 }
