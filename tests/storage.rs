@@ -898,3 +898,75 @@ async fn sqlite_reads_never_wait_for_another_processs_writer() {
         .await
         .unwrap();
 }
+
+both_backends!(
+    every_waiter_of_a_store_shares_one_source_of_wakeups,
+    |url: String| async move {
+        // Waiters used to have one each: a PostgreSQL connection per HTTP
+        // stream, a poll every 20 ms per stream on SQLite. Many waiters
+        // now share one, which stops when the last is gone, and each is
+        // still woken by an append from another store.
+        let store = Store::open(&url).await.unwrap();
+        let other = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        store.append(s, 0, vec![started()]).await.unwrap();
+        assert!(!store.wakeups_running());
+        let mut watches = Vec::new();
+        for _ in 0..40 {
+            watches.push(store.watch().await.unwrap());
+        }
+        assert!(store.wakeups_running());
+        if url.starts_with("postgres") {
+            let pool = sqlx::PgPool::connect(&url).await.unwrap();
+            let listening: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE query ILIKE 'LISTEN%' AND datname = current_database()",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            // This store's one, and none yet for `other`.
+            assert_eq!(listening, 1, "listening connections");
+            pool.close().await;
+        }
+        // The first waiter is woken by another store's append, through the
+        // shared source; the others see the new head.
+        let appending = async {
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            other.append(s, 1, vec![prompt("wake up")]).await.unwrap();
+        };
+        let started_at = std::time::Instant::now();
+        let (head, ()) = tokio::join!(
+            watches[0].wait_past(s, 1, std::time::Duration::from_secs(10)),
+            appending
+        );
+        assert_eq!(head.unwrap(), Some(2));
+        assert!(
+            started_at.elapsed() < std::time::Duration::from_secs(3),
+            "woken after {:?}",
+            started_at.elapsed()
+        );
+        for w in &mut watches[1..] {
+            let head = w.wait_past(s, 1, std::time::Duration::from_secs(1)).await;
+            assert_eq!(head.unwrap(), Some(2));
+        }
+        drop(watches);
+        let stopped_at = std::time::Instant::now();
+        while store.wakeups_running() {
+            assert!(
+                stopped_at.elapsed() < std::time::Duration::from_secs(5),
+                "the source still runs with nobody waiting"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        // And starts again for the next waiter.
+        let mut again = store.watch().await.unwrap();
+        assert!(store.wakeups_running());
+        assert_eq!(
+            again
+                .wait_past(s, 1, std::time::Duration::from_secs(1))
+                .await
+                .unwrap(),
+            Some(2)
+        );
+    }
+);

@@ -603,6 +603,8 @@ pub struct Store {
     /// Held by the task committing a group; whoever takes it next commits
     /// everything queued meanwhile.
     writer: std::sync::Arc<tokio::sync::Mutex<()>>,
+    /// The one source of wake-ups of every waiter (`subscribe`).
+    pulse: std::sync::Arc<subscribe::Pulse>,
 }
 
 /// The per-session states of this process (see the module docs), shared
@@ -737,6 +739,7 @@ impl Store {
             paths: Default::default(),
             queue: Mutex::new(Vec::new()),
             writer: Default::default(),
+            pulse: Default::default(),
         };
         store.migrate().await?;
         store.backfill_chains().await?;

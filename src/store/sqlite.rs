@@ -556,6 +556,15 @@ impl SqliteBackend {
         Ok(view.map(|v| (v, events)))
     }
 
+    /// The latest position (0 for an empty log): what the subscribers'
+    /// shared poll compares (`subscribe`).
+    pub(crate) async fn last_position(&self) -> Result<i64> {
+        sqlx::query_scalar("SELECT COALESCE(MAX(position), 0) FROM events")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(Error::from_sqlx)
+    }
+
     pub(crate) async fn feed(&self, after: i64, limit: i64) -> Result<Vec<StoredEvent>> {
         let rows: Vec<Row> = sqlx::query_as(&format!(
             "SELECT {COLUMNS} FROM events WHERE position > ? ORDER BY position LIMIT ?"

@@ -1,15 +1,27 @@
 //! Subscriptions: "tell me when session S passes seq N" and "stream all
 //! events from position P".
 //!
-//! On PostgreSQL a LISTEN on the store's channel wakes the subscriber; the
-//! notification is only a wake-up (payload "session:seq", never the event):
-//! after every wake-up, every reconnect and at least once a second the
-//! subscriber re-reads the log, so a notification lost while the connection
-//! was down loses nothing. On SQLite, which has no notifications, it polls.
+//! Every waiter of a store shares one source of wake-ups (`Pulse`): on
+//! PostgreSQL one connection LISTENs on the store's channel; on SQLite,
+//! which has no notifications, one task polls the latest position every
+//! 20 ms. A wake-up is only a hint (a notification's payload is
+//! "session:seq", never the event): after every wake-up, every reconnect
+//! and at least once a second a waiter re-reads the log, so a notification
+//! lost while the connection was down loses nothing.
+//!
+//! Why shared: each waiter used to have its own (a PostgreSQL connection
+//! per HTTP stream, a poll of its session's head every 20 ms per stream on
+//! SQLite). A review's 1 000 idle streams on SQLite kept the server at
+//! 133 % CPU and made every read 50 times slower; 45 streams on a
+//! PostgreSQL with `max_connections = 40` took every connection the
+//! server had. The source runs while anyone waits and stops when the last
+//! waiter is gone.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::postgres::PgListener;
+use tokio::sync::watch;
 use tracing::debug;
 use uuid::Uuid;
 
@@ -17,47 +29,139 @@ use super::{Backend, Store};
 use crate::error::{Error, Result};
 use crate::event::StoredEvent;
 
-/// How often a subscriber re-reads the log without a wake-up.
+/// How often a waiter re-reads the log without a wake-up.
 const SAFETY_POLL: Duration = Duration::from_secs(1);
-/// How often a SQLite subscriber polls.
+/// How often the SQLite source polls.
 const SQLITE_POLL: Duration = Duration::from_millis(20);
 
-/// Waits for wake-ups: notifications on PostgreSQL, a timer on SQLite.
+/// A store's one source of wake-ups (see the module docs): a counter that
+/// moves when the log may have grown.
+#[derive(Default)]
+pub(crate) struct Pulse {
+    /// The running source's sender; `None` when none runs. A source
+    /// clears it, under this lock, before it stops, so a waiter that finds
+    /// a sender here always has a running source behind it.
+    beat: tokio::sync::Mutex<Option<watch::Sender<u64>>>,
+}
+
+impl Pulse {
+    /// Whether a source is running (for tests and metrics).
+    pub(crate) fn running(&self) -> bool {
+        self.beat.try_lock().map(|b| b.is_some()).unwrap_or(true)
+    }
+
+    /// A receiver of the running source, starting one if none runs. On
+    /// PostgreSQL a new source returns only once it LISTENs, so nothing
+    /// committed after this returns can go unnoticed.
+    async fn receiver(self: &Arc<Self>, backend: &Backend) -> Result<watch::Receiver<u64>> {
+        let mut beat = self.beat.lock().await;
+        if let Some(tx) = beat.as_ref() {
+            return Ok(tx.subscribe());
+        }
+        let (tx, rx) = watch::channel(0u64);
+        match backend {
+            Backend::Postgres(b) => {
+                let mut listener = PgListener::connect_with(&b.listener_pool())
+                    .await
+                    .map_err(Error::from_sqlx)?;
+                listener
+                    .listen(super::postgres::NOTIFY_CHANNEL)
+                    .await
+                    .map_err(Error::from_sqlx)?;
+                tokio::spawn(listen(self.clone(), tx.clone(), listener));
+            }
+            Backend::Sqlite(b) => {
+                let first = b.last_position().await.unwrap_or(0);
+                tokio::spawn(poll(self.clone(), tx.clone(), b.clone(), first));
+            }
+        }
+        *beat = Some(tx);
+        Ok(rx)
+    }
+
+    /// Whether the source should stop: nobody waits. Decided under the
+    /// lock, and the sender cleared there, so no waiter joins a source
+    /// that is stopping.
+    async fn stop_if_unwatched(&self, tx: &watch::Sender<u64>) -> bool {
+        if tx.receiver_count() > 0 {
+            return false;
+        }
+        let mut beat = self.beat.lock().await;
+        if tx.receiver_count() > 0 {
+            return false;
+        }
+        *beat = None;
+        true
+    }
+}
+
+/// The PostgreSQL source: a wake-up per notification, per lost connection
+/// (the listener reconnects; what was missed meanwhile is re-read) and per
+/// second.
+async fn listen(pulse: Arc<Pulse>, tx: watch::Sender<u64>, mut listener: PgListener) {
+    loop {
+        match tokio::time::timeout(SAFETY_POLL, listener.try_recv()).await {
+            Ok(Ok(Some(n))) => debug!(payload = n.payload(), "woken by a notification"),
+            Ok(Ok(None)) => debug!("notification connection lost; catching up"),
+            Ok(Err(e)) => {
+                debug!(cause = %e, "cannot listen for now; polling");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(_) => {}
+        }
+        tx.send_modify(|n| *n += 1);
+        if pulse.stop_if_unwatched(&tx).await {
+            return;
+        }
+    }
+}
+
+/// The SQLite source: a wake-up whenever the latest position moved (or
+/// could not be read: the waiters then see the error themselves).
+async fn poll(
+    pulse: Arc<Pulse>,
+    tx: watch::Sender<u64>,
+    backend: super::sqlite::SqliteBackend,
+    mut last: i64,
+) {
+    loop {
+        tokio::time::sleep(SQLITE_POLL).await;
+        match backend.last_position().await {
+            Ok(p) if p == last => {}
+            Ok(p) => {
+                last = p;
+                tx.send_modify(|n| *n += 1);
+            }
+            Err(e) => {
+                debug!(cause = %e, "cannot read the latest position; waking the waiters");
+                tx.send_modify(|n| *n += 1);
+            }
+        }
+        if pulse.stop_if_unwatched(&tx).await {
+            return;
+        }
+    }
+}
+
+/// Waits for wake-ups from the store's shared source.
 struct Waker {
-    listener: Option<PgListener>,
+    beat: watch::Receiver<u64>,
 }
 
 impl Waker {
     async fn new(store: &Store) -> Result<Waker> {
-        let listener = match &store.backend {
-            Backend::Postgres(b) => {
-                let mut l = PgListener::connect_with(&b.listener_pool())
-                    .await
-                    .map_err(Error::from_sqlx)?;
-                l.listen(super::postgres::NOTIFY_CHANNEL)
-                    .await
-                    .map_err(Error::from_sqlx)?;
-                Some(l)
-            }
-            Backend::Sqlite(_) => None,
-        };
-        Ok(Waker { listener })
+        Ok(Waker {
+            beat: store.pulse.receiver(&store.backend).await?,
+        })
     }
 
-    /// Returns after a notification, a lost connection (the next call
-    /// reconnects), an error, or the safety poll interval.
+    /// Returns after a wake-up or the safety poll interval.
     async fn wait(&mut self) {
-        match &mut self.listener {
-            None => tokio::time::sleep(SQLITE_POLL).await,
-            Some(l) => match tokio::time::timeout(SAFETY_POLL, l.try_recv()).await {
-                Ok(Ok(Some(n))) => debug!(payload = n.payload(), "woken by a notification"),
-                Ok(Ok(None)) => debug!("notification connection lost; catching up"),
-                Ok(Err(e)) => {
-                    debug!(cause = %e, "cannot listen for now; polling");
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-                Err(_) => {}
-            },
+        match tokio::time::timeout(SAFETY_POLL, self.beat.changed()).await {
+            Ok(Ok(())) | Err(_) => {}
+            // The source is gone (it never stops while this waits): wait
+            // as a poll would.
+            Ok(Err(_)) => tokio::time::sleep(SQLITE_POLL).await,
         }
     }
 }
@@ -124,6 +228,14 @@ impl Store {
             .await?
             .wait_past(session_id, seq, timeout)
             .await
+    }
+
+    /// Whether this store's shared source of wake-ups runs: one LISTEN
+    /// connection (PostgreSQL) or one poll (SQLite) however many waiters
+    /// there are, from the first [`Store::watch`] or [`Store::subscribe`]
+    /// until shortly after the last one is dropped.
+    pub fn wakeups_running(&self) -> bool {
+        self.pulse.running()
     }
 
     /// A [`Watch`]: [`Store::wait_past`] for a caller that waits again and
