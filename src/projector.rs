@@ -207,6 +207,18 @@ impl SessionState {
         }
     }
 
+    /// Forgets the calls that neither sit in the effective window nor are
+    /// answered in it. Reading needs none of them (§7 reads the window);
+    /// validating an append loads any it names from the calls index, and a
+    /// compaction's check needs the calls of the window's results, which
+    /// stay. Keeps a long session's state the size of its window.
+    pub(crate) fn forget_calls_outside_window(&mut self) {
+        let window_start = self.window_start;
+        self.calls.retain(|_, c| {
+            c.seq >= window_start || c.result_seq.is_some_and(|r| r >= window_start)
+        });
+    }
+
     /// Empties the texts, call inputs and result outputs of the window's
     /// rows, keeping everything the activation set reads (§7: which calls
     /// and results, their tools, statuses and added names). For a holder

@@ -1121,6 +1121,8 @@ async fn feed_stream(
                     }
                 }
                 previous = Some((bytes, events));
+                // Nor every call of a long replay.
+                state.forget_calls_outside_window();
             }
             tokio::select! {
                 _ = tx.closed() => return,

@@ -658,10 +658,7 @@ impl StateCache {
     /// calls of the window's results, so those stay too (else an
     /// optimistic append would take them as absent and always fail).
     pub(crate) fn put(&self, mut warm: Warm) {
-        let window_start = warm.state.window_start;
-        warm.state.calls.retain(|_, c| {
-            c.seq >= window_start || c.result_seq.is_some_and(|r| r >= window_start)
-        });
+        warm.state.forget_calls_outside_window();
         if let Ok(mut m) = self.0.lock() {
             if m.len() >= STATE_CACHE_SESSIONS && !m.contains_key(&warm.state.session_id) {
                 m.clear();
@@ -1603,7 +1600,16 @@ async fn read_state<T: LogTx>(
     } else {
         state
     };
-    catch_up(&mut tx, state, target).await
+    // A read never validates: the calls outside the window are forgotten
+    // page by page, or a fold from seq 1 (`--at-seq`, a stream resuming)
+    // would hold every call of the session.
+    let mut state = state;
+    while state.seq < target {
+        let page_end = target.min(state.seq + FOLD_PAGE);
+        state = catch_up(&mut tx, state, page_end).await?;
+        state.forget_calls_outside_window();
+    }
+    Ok(state)
 }
 
 /// The full fold of a session: its view at the latest refresh point and its
