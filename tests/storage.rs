@@ -970,3 +970,37 @@ both_backends!(
         );
     }
 );
+
+both_backends!(
+    history_within_stops_at_its_byte_budget,
+    |url: String| async move {
+        // A stream reads pages of at most about this many bytes, however
+        // large the events after a run of small ones.
+        let store = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        let mut events = vec![started(), prompt("a"), prompt("b"), prompt("c")];
+        events.extend((0..5).map(|i| prompt(&format!("{i}{}", "x".repeat(100_000)))));
+        store.append(s, 0, events).await.unwrap();
+        let full = store.history(s, 0, 500).await.unwrap();
+        assert_eq!(full.len(), 9);
+        let page = store.history_within(s, 0, 500, 250_000).await.unwrap();
+        // Four small events, then large ones until 250 000 bytes are read:
+        // the third large one crosses it.
+        assert_eq!(page.len(), 7);
+        assert_eq!(page, full[..7]);
+        // At least one event, and no more than the limit.
+        assert_eq!(
+            store.history_within(s, 4, 500, 1).await.unwrap(),
+            full[4..5]
+        );
+        assert_eq!(
+            store.history_within(s, 0, 2, usize::MAX).await.unwrap(),
+            full[..2]
+        );
+        assert_eq!(
+            store.history_within(s, 0, 500, usize::MAX).await.unwrap(),
+            full
+        );
+        assert!(store.history_within(s, 9, 500, 1).await.unwrap().is_empty());
+    }
+);

@@ -1009,44 +1009,21 @@ async fn stream(
 
 /// Events a stream's task may have sent ahead of what its client read.
 const STREAM_AHEAD: usize = 2;
-/// About how many bytes of events a stream reads from the store at once.
+/// About how many bytes of events a stream reads from the store at once
+/// (more by at most one event): a page of large events (up to the store's
+/// event limit, 1 MiB by default) must not hold hundreds of megabytes per
+/// stream, while small events still come 500 at a time.
 const STREAM_PAGE_BYTES: usize = 1024 * 1024;
 /// The most events a stream reads at once (small events).
 const STREAM_PAGE_EVENTS: i64 = 500;
 
-/// How many events a stream's next catch-up read asks for, given the
-/// bytes of JSON its previous page held (`None` before the first): about
-/// [`STREAM_PAGE_BYTES`], so a page of large events (up to the store's
-/// event limit, 1 MiB by default) does not hold hundreds of megabytes per
-/// stream, while small events still come 500 at a time. The first page is
-/// small, before anything is known.
-fn stream_page_limit(previous: Option<(usize, usize)>) -> i64 {
-    match previous {
-        None => 2,
-        Some((_, 0)) => STREAM_PAGE_EVENTS,
-        Some((bytes, events)) => {
-            let average = (bytes / events).max(1);
-            ((STREAM_PAGE_BYTES / average) as i64).clamp(1, STREAM_PAGE_EVENTS)
-        }
-    }
-}
-
 fn sse_json<T: Serialize>(kind: &str, id: i64, value: &T) -> SseEvent {
-    sse_text(kind, id, value).0
-}
-
-/// [`sse_json`] and the length of its data.
-fn sse_text<T: Serialize>(kind: &str, id: i64, value: &T) -> (SseEvent, usize) {
     // Our types always serialize; an empty object would be the fallback.
     let data = serde_json::to_string(value).unwrap_or_else(|_| "{}".to_owned());
-    let len = data.len();
-    (
-        SseEvent::default()
-            .event(kind)
-            .id(id.to_string())
-            .data(data),
-        len,
-    )
+    SseEvent::default()
+        .event(kind)
+        .id(id.to_string())
+        .data(data)
 }
 
 /// Sends a session's events from `state.seq` on, then waits for more,
@@ -1072,7 +1049,13 @@ async fn feed_stream(
         {
             return;
         }
-        let mut watch = match store.watch().await {
+        // A client gone while the watch was being set up (it may wait for
+        // a connection) ends the stream at once.
+        let watching = tokio::select! {
+            w = store.watch() => w,
+            _ = tx.closed() => return,
+        };
+        let mut watch = match watching {
             Ok(w) => w,
             Err(e) => {
                 warn!(cause = %e, "cannot watch the session");
@@ -1082,12 +1065,13 @@ async fn feed_stream(
                 return;
             }
         };
-        let mut previous = None;
         loop {
             // Catch up page by page, then wait for the head to move.
             loop {
-                let limit = stream_page_limit(previous);
-                let page = match store.history(session_id, state.seq, limit).await {
+                let page = match store
+                    .history_within(session_id, state.seq, STREAM_PAGE_EVENTS, STREAM_PAGE_BYTES)
+                    .await
+                {
                     Ok(p) => p,
                     Err(e) => {
                         warn!(cause = %e, "stream read failed; retrying");
@@ -1098,17 +1082,13 @@ async fn feed_stream(
                 if page.is_empty() {
                     break;
                 }
-                let mut bytes = 0;
-                let events = page.len();
                 for ev in page {
                     state.apply_shed(&ev);
                     let lag = (chrono::Utc::now() - ev.recorded_at).num_milliseconds();
                     metrics
                         .subscription_lag_seconds
                         .observe(lag.max(0) as f64 / 1000.0);
-                    let (sse, len) = sse_text("event", ev.seq, &ev);
-                    bytes += len;
-                    if tx.send(Ok(sse)).await.is_err() {
+                    if tx.send(Ok(sse_json("event", ev.seq, &ev))).await.is_err() {
                         return;
                     }
                     if ev.body.is_refresh_point()
@@ -1120,7 +1100,6 @@ async fn feed_stream(
                         return;
                     }
                 }
-                previous = Some((bytes, events));
                 // Nor every call of a long replay.
                 state.forget_calls_outside_window();
             }
@@ -1200,22 +1179,4 @@ async fn metrics_text(State(server): State<Server>) -> Response {
 )]
 async fn openapi_doc() -> Response {
     ([(header::CONTENT_TYPE, "application/json")], openapi_json()).into_response()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn stream_pages_hold_about_a_mebibyte_of_events() {
-        // The first page is small; then about 1 MiB of JSON a page: one
-        // event of 1 MiB, 1 000 events of 1 KiB capped at 500, never 0.
-        assert_eq!(stream_page_limit(None), 2);
-        assert_eq!(stream_page_limit(Some((16 * 1024 * 1024, 16))), 1);
-        assert_eq!(stream_page_limit(Some((64 * 1024 * 1024, 16))), 1);
-        assert_eq!(stream_page_limit(Some((16 * 64 * 1024, 16))), 16);
-        assert_eq!(stream_page_limit(Some((16 * 1024, 16))), 500);
-        assert_eq!(stream_page_limit(Some((0, 16))), 500);
-        assert_eq!(stream_page_limit(Some((0, 0))), 500);
-    }
 }

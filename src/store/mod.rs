@@ -971,6 +971,24 @@ impl Store {
         }
     }
 
+    /// [`Store::history`] that stops after the event whose payload brings
+    /// the page to `max_bytes` of JSON (a page holds at least one event
+    /// when there is one): for a reader that must not hold `limit` events
+    /// of the largest accepted size at once, such as an HTTP stream.
+    pub async fn history_within(
+        &self,
+        session_id: Uuid,
+        after_seq: i64,
+        limit: i64,
+        max_bytes: usize,
+    ) -> Result<Vec<StoredEvent>> {
+        let limit = limit.clamp(0, 100_000);
+        match &self.backend {
+            Backend::Sqlite(b) => b.page_within(session_id, after_seq, limit, max_bytes).await,
+            Backend::Postgres(b) => b.page_within(session_id, after_seq, limit, max_bytes).await,
+        }
+    }
+
     /// The session folded up to `at_seq` (the latest seq when `None`).
     /// Errors: [`Error::SessionNotFound`], [`Error::SeqOutOfRange`].
     pub async fn state(&self, session_id: Uuid, at_seq: Option<i64>) -> Result<SessionState> {
@@ -1832,6 +1850,28 @@ impl Store {
         }
         Ok(())
     }
+}
+
+/// Decodes rows one at a time until their payloads reach `max_bytes` (the
+/// row that reaches it included) or the rows end: `history_within`.
+pub(crate) async fn take_within<R>(
+    rows: &mut (impl tokio_stream::Stream<Item = std::result::Result<R, sqlx::Error>> + Unpin),
+    max_bytes: usize,
+    payload_len: impl Fn(&R) -> usize,
+    decode: impl Fn(R) -> Result<StoredEvent>,
+) -> Result<Vec<StoredEvent>> {
+    use tokio_stream::StreamExt;
+    let mut page = Vec::new();
+    let mut bytes = 0;
+    while let Some(row) = rows.next().await {
+        let row = row.map_err(Error::from_sqlx)?;
+        bytes += payload_len(&row);
+        page.push(decode(row)?);
+        if bytes >= max_bytes {
+            break;
+        }
+    }
+    Ok(page)
 }
 
 /// Sleeps for about `backoff` (between half and all of it), then doubles it.

@@ -528,6 +528,28 @@ impl SqliteBackend {
         rows.into_iter().map(decode).collect()
     }
 
+    /// [`Self::page`], stopping after the event that brings the payloads
+    /// read to `max_bytes` (at least one event when there is one): rows
+    /// are decoded one at a time, so a page of large events never sits in
+    /// memory whole.
+    pub(crate) async fn page_within(
+        &self,
+        session_id: Uuid,
+        after: i64,
+        limit: i64,
+        max_bytes: usize,
+    ) -> Result<Vec<StoredEvent>> {
+        let sql = format!(
+            "SELECT {COLUMNS} FROM events WHERE session_id = ? AND seq > ? ORDER BY seq LIMIT ?"
+        );
+        let mut rows = sqlx::query_as::<_, Row>(&sql)
+            .bind(session_id.to_string())
+            .bind(after)
+            .bind(limit)
+            .fetch(&self.pool);
+        super::take_within(&mut rows, max_bytes, |r: &Row| r.4.len(), decode).await
+    }
+
     /// The session's view and the events from its window's start on (at
     /// most the window and `after` more), in one statement: the cold
     /// pre-request read, one hop to the driver's worker instead of two.

@@ -39,27 +39,40 @@ const SQLITE_POLL: Duration = Duration::from_millis(20);
 #[derive(Default)]
 pub(crate) struct Pulse {
     /// The running source's sender; `None` when none runs. A source
-    /// clears it, under this lock, before it stops, so a waiter that finds
-    /// a sender here always has a running source behind it.
-    beat: tokio::sync::Mutex<Option<watch::Sender<u64>>>,
+    /// clears it, under this lock, before it stops (or, should its task end
+    /// any other way, when it is dropped), so a waiter that finds a sender
+    /// here has a running source behind it. Never held across an await.
+    beat: std::sync::Mutex<Option<watch::Sender<u64>>>,
+}
+
+/// What a new source starts from, made outside the lock.
+enum Source {
+    Listen(PgListener),
+    Poll(super::sqlite::SqliteBackend, i64),
 }
 
 impl Pulse {
+    fn beat(&self) -> std::sync::MutexGuard<'_, Option<watch::Sender<u64>>> {
+        // Nothing panics while holding it; a poisoned lock is still sound.
+        self.beat.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Whether a source is running (for tests and metrics).
     pub(crate) fn running(&self) -> bool {
-        self.beat.try_lock().map(|b| b.is_some()).unwrap_or(true)
+        self.beat().is_some()
     }
 
     /// A receiver of the running source, starting one if none runs. On
     /// PostgreSQL a new source returns only once it LISTENs, so nothing
     /// committed after this returns can go unnoticed.
     async fn receiver(self: &Arc<Self>, backend: &Backend) -> Result<watch::Receiver<u64>> {
-        let mut beat = self.beat.lock().await;
-        if let Some(tx) = beat.as_ref() {
+        if let Some(tx) = self.beat().as_ref() {
             return Ok(tx.subscribe());
         }
-        let (tx, rx) = watch::channel(0u64);
-        match backend {
+        // Connected outside the lock: a connection that cannot be made
+        // (the database out of connections, say) takes seconds to fail,
+        // and waiters must not queue behind one another's attempts.
+        let source = match backend {
             Backend::Postgres(b) => {
                 let mut listener = PgListener::connect_with(&b.listener_pool())
                     .await
@@ -68,26 +81,54 @@ impl Pulse {
                     .listen(super::postgres::NOTIFY_CHANNEL)
                     .await
                     .map_err(Error::from_sqlx)?;
-                tokio::spawn(listen(self.clone(), tx.clone(), listener));
+                Source::Listen(listener)
             }
-            Backend::Sqlite(b) => {
-                let first = b.last_position().await.unwrap_or(0);
-                tokio::spawn(poll(self.clone(), tx.clone(), b.clone(), first));
+            Backend::Sqlite(b) => Source::Poll(b.clone(), b.last_position().await.unwrap_or(0)),
+        };
+        let (tx, rx) = watch::channel(0u64);
+        {
+            let mut beat = self.beat();
+            if let Some(running) = beat.as_ref() {
+                // Another waiter started one meanwhile: join it (this
+                // listener, already listening, is dropped).
+                return Ok(running.subscribe());
             }
+            *beat = Some(tx.clone());
         }
-        *beat = Some(tx);
+        // Spawned with the lock released: a task dropped at once (its
+        // runtime shutting down) clears the sender in its drop.
+        let running = Running {
+            pulse: self.clone(),
+            tx,
+        };
+        match source {
+            Source::Listen(listener) => tokio::spawn(listen(running, listener)),
+            Source::Poll(b, first) => tokio::spawn(poll(running, b, first)),
+        };
         Ok(rx)
+    }
+}
+
+/// A running source's hold on its [`Pulse`].
+struct Running {
+    pulse: Arc<Pulse>,
+    tx: watch::Sender<u64>,
+}
+
+impl Running {
+    fn wake(&self) {
+        self.tx.send_modify(|n| *n += 1);
     }
 
     /// Whether the source should stop: nobody waits. Decided under the
     /// lock, and the sender cleared there, so no waiter joins a source
     /// that is stopping.
-    async fn stop_if_unwatched(&self, tx: &watch::Sender<u64>) -> bool {
-        if tx.receiver_count() > 0 {
+    fn stop_if_unwatched(&self) -> bool {
+        if self.tx.receiver_count() > 0 {
             return false;
         }
-        let mut beat = self.beat.lock().await;
-        if tx.receiver_count() > 0 {
+        let mut beat = self.pulse.beat();
+        if self.tx.receiver_count() > 0 {
             return false;
         }
         *beat = None;
@@ -95,10 +136,22 @@ impl Pulse {
     }
 }
 
+impl Drop for Running {
+    /// A task that ends any other way (a panic, its runtime shut down)
+    /// still clears its sender, so the next waiter starts a new source
+    /// instead of waiting on one nothing ticks.
+    fn drop(&mut self) {
+        let mut beat = self.pulse.beat();
+        if beat.as_ref().is_some_and(|t| t.same_channel(&self.tx)) {
+            *beat = None;
+        }
+    }
+}
+
 /// The PostgreSQL source: a wake-up per notification, per lost connection
 /// (the listener reconnects; what was missed meanwhile is re-read) and per
 /// second.
-async fn listen(pulse: Arc<Pulse>, tx: watch::Sender<u64>, mut listener: PgListener) {
+async fn listen(source: Running, mut listener: PgListener) {
     loop {
         match tokio::time::timeout(SAFETY_POLL, listener.try_recv()).await {
             Ok(Ok(Some(n))) => debug!(payload = n.payload(), "woken by a notification"),
@@ -109,8 +162,8 @@ async fn listen(pulse: Arc<Pulse>, tx: watch::Sender<u64>, mut listener: PgListe
             }
             Err(_) => {}
         }
-        tx.send_modify(|n| *n += 1);
-        if pulse.stop_if_unwatched(&tx).await {
+        source.wake();
+        if source.stop_if_unwatched() {
             return;
         }
     }
@@ -118,26 +171,21 @@ async fn listen(pulse: Arc<Pulse>, tx: watch::Sender<u64>, mut listener: PgListe
 
 /// The SQLite source: a wake-up whenever the latest position moved (or
 /// could not be read: the waiters then see the error themselves).
-async fn poll(
-    pulse: Arc<Pulse>,
-    tx: watch::Sender<u64>,
-    backend: super::sqlite::SqliteBackend,
-    mut last: i64,
-) {
+async fn poll(source: Running, backend: super::sqlite::SqliteBackend, mut last: i64) {
     loop {
         tokio::time::sleep(SQLITE_POLL).await;
         match backend.last_position().await {
             Ok(p) if p == last => {}
             Ok(p) => {
                 last = p;
-                tx.send_modify(|n| *n += 1);
+                source.wake();
             }
             Err(e) => {
                 debug!(cause = %e, "cannot read the latest position; waking the waiters");
-                tx.send_modify(|n| *n += 1);
+                source.wake();
             }
         }
-        if pulse.stop_if_unwatched(&tx).await {
+        if source.stop_if_unwatched() {
             return;
         }
     }
