@@ -1630,32 +1630,139 @@ async fn read_state<T: LogTx>(
     Ok(state)
 }
 
-/// The full fold of a session: its view at the latest refresh point and its
-/// state at the head (whose call index is complete).
-async fn fold_log<T: LogTx>(tx: &mut T, session_id: Uuid) -> Result<(Option<View>, SessionState)> {
-    let head = tx.head_seq(session_id).await?;
-    if head == 0 {
-        return Err(Error::SessionNotFound(session_id));
-    }
-    let refresh = tx.last_refresh_seq(session_id).await?;
-    let state = catch_up(tx, SessionState::empty(session_id), refresh).await?;
-    let view = (refresh > 0).then(|| state.view());
-    let state = catch_up(tx, state, head).await?;
-    Ok((view, state))
+/// The whole log of one session folded page by page, for `verify` and
+/// `rebuild`, which must see every call of the session without holding
+/// them all: a call leaves memory once it is answered (handed out by
+/// [`LogFold::next_calls`]), and only unanswered ones wait for the end.
+/// (Holding the fold's full calls map took `verify` from 21 to 190 MiB on
+/// a session of 10^6 events, docs/benchmarks.md item 19.)
+struct LogFold {
+    state: SessionState,
+    /// The view at the latest refresh point, once the fold passed it.
+    view: Option<View>,
+    refresh: i64,
+    head: i64,
+    /// Calls not answered yet: id -> (tool, call seq).
+    open: HashMap<String, (String, i64)>,
 }
 
-fn call_rows(state: &SessionState) -> Vec<CallRow> {
-    let mut rows: Vec<CallRow> = state
-        .calls
+impl LogFold {
+    async fn start<T: LogTx>(tx: &mut T, session_id: Uuid) -> Result<LogFold> {
+        let head = tx.head_seq(session_id).await?;
+        if head == 0 {
+            return Err(Error::SessionNotFound(session_id));
+        }
+        let refresh = tx.last_refresh_seq(session_id).await?;
+        Ok(LogFold {
+            state: SessionState::empty(session_id),
+            view: None,
+            refresh,
+            head,
+            open: HashMap::new(),
+        })
+    }
+
+    /// Folds the next page; returns the calls index rows of the calls
+    /// answered in it (in call seq order), or `None` once the log is folded.
+    async fn next_calls<T: LogTx>(&mut self, tx: &mut T) -> Result<Option<Vec<CallRow>>> {
+        let seq = self.state.seq;
+        if seq >= self.head {
+            return Ok(None);
+        }
+        // A page ends at the latest refresh point, where the view is taken.
+        let stop = if seq < self.refresh {
+            self.refresh
+        } else {
+            self.head
+        };
+        let page = tx
+            .range(self.state.session_id, seq, stop.min(seq + FOLD_PAGE))
+            .await?;
+        if page.is_empty() {
+            return Err(Error::Corrupt(format!(
+                "session {} has no event after seq {seq} although it should reach seq {}",
+                self.state.session_id, self.head
+            )));
+        }
+        let mut answered = Vec::new();
+        for e in &page {
+            match &e.body {
+                EventBody::ToolCall {
+                    call_id, tool_name, ..
+                } => {
+                    self.open
+                        .insert(call_id.clone(), (tool_name.clone(), e.seq));
+                }
+                EventBody::ToolResult { call_id, .. } => {
+                    if let Some((tool, call_seq)) = self.open.remove(call_id) {
+                        answered.push((call_id.clone(), tool, call_seq, Some(e.seq)));
+                    }
+                }
+                _ => {}
+            }
+            self.state.apply(e);
+        }
+        self.state.forget_calls_outside_window();
+        if self.refresh > 0 && self.state.seq == self.refresh {
+            self.view = Some(self.state.view());
+        }
+        answered.sort_by_key(|r| r.2);
+        Ok(Some(answered))
+    }
+
+    /// The view at the latest refresh point, the state at the head, and
+    /// the calls index rows of the calls never answered.
+    fn finish(self) -> (Option<View>, SessionState, Vec<CallRow>) {
+        let mut unanswered: Vec<CallRow> = self
+            .open
+            .into_iter()
+            .map(|(id, (tool, seq))| (id, tool, seq, None))
+            .collect();
+        unanswered.sort_by_key(|r| r.2);
+        (self.view, self.state, unanswered)
+    }
+}
+
+/// The first of `expected` (rows the log implies) that the calls index
+/// does not hold as such, said as a sentence.
+async fn calls_difference<T: LogTx>(
+    tx: &mut T,
+    session_id: Uuid,
+    expected: &[CallRow],
+) -> Result<Option<String>> {
+    if expected.is_empty() {
+        return Ok(None);
+    }
+    let ids: Vec<String> = expected.iter().map(|c| c.0.clone()).collect();
+    let stored = tx.calls(session_id, &ids).await?;
+    let stored: HashMap<&str, &CallRow> = stored.iter().map(|r| (r.0.as_str(), r)).collect();
+    Ok(expected
         .iter()
-        .map(|(id, c)| (id.clone(), c.tool_name.clone(), c.seq, c.result_seq))
-        .collect();
-    rows.sort_by_key(|r| r.2);
-    rows
+        .find(|e| stored.get(e.0.as_str()) != Some(e))
+        .map(|e| {
+            format!(
+                "session {session_id}: the calls index differs from the log for call {}: the log says {}",
+                serde_json::json!(e.0),
+                serde_json::json!({"tool_name": e.1, "call_seq": e.2, "result_seq": e.3})
+            )
+        }))
 }
 
 async fn verify_in<T: LogTx>(mut tx: T, session_id: Uuid) -> Result<Option<String>> {
-    let (expected, state) = fold_log(&mut tx, session_id).await?;
+    // The calls are compared page by page as the fold answers them; a
+    // difference of the view or of the activation changes is still said
+    // first.
+    let mut fold = LogFold::start(&mut tx, session_id).await?;
+    let mut calls_differ = None;
+    while let Some(rows) = fold.next_calls(&mut tx).await? {
+        if calls_differ.is_none() {
+            calls_differ = calls_difference(&mut tx, session_id, &rows).await?;
+        }
+    }
+    let (expected, state, unanswered) = fold.finish();
+    if calls_differ.is_none() {
+        calls_differ = calls_difference(&mut tx, session_id, &unanswered).await?;
+    }
     let stored = match tx.load_view(session_id).await? {
         // Drift like any other: the log is intact, and a rebuild fixes it.
         Some(row) => match row.to_view() {
@@ -1681,14 +1788,6 @@ async fn verify_in<T: LogTx>(mut tx: T, session_id: Uuid) -> Result<Option<Strin
     if difference.is_some() {
         return Ok(difference);
     }
-    let expected_calls = call_rows(&state);
-    let ids: Vec<String> = expected_calls.iter().map(|c| c.0.clone()).collect();
-    let mut stored_calls = if ids.is_empty() {
-        Vec::new()
-    } else {
-        tx.calls(session_id, &ids).await?
-    };
-    stored_calls.sort_by_key(|r| r.2);
     let expected_changes = changes_from_log(&mut tx, session_id, state.seq).await?;
     let stored_changes = tx.load_changes(session_id).await?;
     if expected_changes != stored_changes {
@@ -1709,23 +1808,7 @@ async fn verify_in<T: LogTx>(mut tx: T, session_id: Uuid) -> Result<Option<Strin
             shown(&expected_changes)
         )));
     }
-    for (e, s) in expected_calls
-        .iter()
-        .zip(
-            stored_calls
-                .iter()
-                .chain(std::iter::repeat(&(String::new(), String::new(), 0, None))),
-        )
-    {
-        if e != s {
-            return Ok(Some(format!(
-                "session {session_id}: the calls index differs from the log for call {}: the log says {}",
-                serde_json::json!(e.0),
-                serde_json::json!({"tool_name": e.1, "call_seq": e.2, "result_seq": e.3})
-            )));
-        }
-    }
-    Ok(None)
+    Ok(calls_differ)
 }
 
 /// The first field where the stored view and the log's disagree, said in
@@ -1769,10 +1852,20 @@ async fn rebuild_in<T: LogTx>(mut tx: T, session_id: Uuid) -> Result<()> {
 /// Recomputes every derived row of a session (view, calls index,
 /// activation changes) from its log, inside the caller's transaction.
 async fn rebuild_session<T: LogTx>(tx: &mut T, session_id: Uuid) -> Result<()> {
-    let (view, state) = fold_log(tx, session_id).await?;
-    let changes = changes_from_log(tx, session_id, state.seq).await?;
+    // The fold reads only the log: the derived rows are cleared first, and
+    // the calls written as the fold answers them.
+    let mut fold = LogFold::start(tx, session_id).await?;
     tx.clear_derived(session_id).await?;
-    tx.record_calls(session_id, &call_rows(&state)).await?;
+    while let Some(rows) = fold.next_calls(tx).await? {
+        if !rows.is_empty() {
+            tx.record_calls(session_id, &rows).await?;
+        }
+    }
+    let (view, state, unanswered) = fold.finish();
+    if !unanswered.is_empty() {
+        tx.record_calls(session_id, &unanswered).await?;
+    }
+    let changes = changes_from_log(tx, session_id, state.seq).await?;
     if let Some(view) = &view {
         tx.write_view(&ViewRow::from_view(view)).await?;
     }
