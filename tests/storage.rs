@@ -1004,3 +1004,67 @@ both_backends!(
         assert!(store.history_within(s, 9, 500, 1).await.unwrap().is_empty());
     }
 );
+
+both_backends!(
+    verify_and_rebuild_check_every_call_across_pages,
+    |url: String| async move {
+        // verify and rebuild fold the log in pages of 2 000 events and
+        // compare or write each call's row once it is answered: calls
+        // answered pages later, answered in the same page, and never
+        // answered must all be checked and rebuilt.
+        let store = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        let mut events = vec![started(), catalog(&["web_fetch"]), call("open", "Read")];
+        for i in 0..1_600 {
+            events.push(call(&format!("c{i}"), "Read"));
+            events.push(result(&format!("c{i}"), "Read", ToolStatus::Success, &[]));
+        }
+        events.push(call("late", "Read"));
+        events.push(prompt("next"));
+        events.extend((0..1_000).map(|i| prompt(&format!("p{i}"))));
+        events.push(result("open", "Read", ToolStatus::Success, &[]));
+        events.push(call("never", "Read"));
+        let mut head = 0;
+        for chunk in events.chunks(500) {
+            store.append(s, head, chunk.to_vec()).await.unwrap();
+            head += chunk.len() as i64;
+        }
+        assert_eq!(store.verify(s).await.unwrap(), None);
+        let tamper = |sql: String| {
+            let url = url.clone();
+            async move {
+                if url.starts_with("postgres") {
+                    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+                    sqlx::query(&sql).execute(&pool).await.unwrap();
+                } else {
+                    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+                    sqlx::query(&sql).execute(&pool).await.unwrap();
+                }
+            }
+        };
+        for (call_id, sql) in [
+            (
+                "open",
+                "UPDATE calls SET result_seq = NULL WHERE call_id = 'open'",
+            ),
+            (
+                "c1500",
+                "UPDATE calls SET tool_name = 'Write' WHERE call_id = 'c1500'",
+            ),
+            ("never", "DELETE FROM calls WHERE call_id = 'never'"),
+            (
+                "late",
+                "UPDATE calls SET result_seq = 7 WHERE call_id = 'late'",
+            ),
+        ] {
+            tamper(sql.to_owned()).await;
+            let drift = store.verify(s).await.unwrap().expect("drift found");
+            assert!(
+                drift.contains(&format!("\"{call_id}\"")),
+                "{call_id}: {drift}"
+            );
+            store.rebuild(s).await.unwrap();
+            assert_eq!(store.verify(s).await.unwrap(), None, "{call_id} rebuilt");
+        }
+    }
+);
