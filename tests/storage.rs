@@ -1068,3 +1068,55 @@ both_backends!(
         }
     }
 );
+
+both_backends!(
+    a_stream_resuming_from_the_view_sees_what_the_fold_sees,
+    |url: String| async move {
+        // Streams resume on the stored view when it is at or before the
+        // resume point: at every seq the state must equal the fold's.
+        let writer = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        let mut events = with_ids(vec![
+            started(),
+            catalog(&["web_fetch", "notebook_edit"]),
+            prompt("one"),
+            call("c1", "ToolSearch"),
+            result("c1", "ToolSearch", ToolStatus::Success, &["web_fetch"]),
+            prompt("two"),
+            call("c2", "web_fetch"),
+        ]);
+        let kept = events[5].event_id;
+        events.push(NewEvent::new(EventBody::Compaction {
+            summary: "earlier".into(),
+            first_kept_event_id: kept,
+            tokens_before: None,
+        }));
+        events.push(result("c2", "web_fetch", ToolStatus::Success, &[]));
+        events.push(NewEvent::new(EventBody::ModeSwitched {
+            mode: "plan".into(),
+        }));
+        events.push(call("c3", "ToolSearch"));
+        events.push(result(
+            "c3",
+            "ToolSearch",
+            ToolStatus::Success,
+            &["notebook_edit"],
+        ));
+        events.push(prompt("three"));
+        events.push(call("c4", "Read"));
+        let head = events.len() as i64;
+        writer.append(s, 0, events).await.unwrap();
+        // A fresh store: no cached state, so the view path is taken.
+        for n in 1..=head {
+            let reader = Store::open(&url).await.unwrap();
+            let resumed = reader.state_resuming(s, n).await.unwrap();
+            let folded = reader.state(s, Some(n)).await.unwrap();
+            assert_eq!(resumed.seq, n);
+            assert_eq!(resumed.activations(), folded.activations(), "seq {n}");
+            assert_eq!(resumed.context(), folded.context(), "seq {n}");
+            reader.close().await;
+        }
+        let err = writer.state_resuming(s, head + 1).await.unwrap_err();
+        assert!(matches!(err, Error::SeqOutOfRange { .. }), "{err:?}");
+    }
+);

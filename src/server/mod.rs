@@ -988,7 +988,7 @@ async fn stream(
         // the set at a refresh point N is sent again (twice at most, the
         // same set both times).
         Some(after) => {
-            let state = store.state(session_id, Some(after)).await?;
+            let state = store.state_resuming(session_id, after).await?;
             let refresh = state.refresh_seq == after;
             (state, refresh)
         }

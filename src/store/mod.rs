@@ -1001,16 +1001,34 @@ impl Store {
         let cached = self.cached_state(session_id);
         let state = match &self.backend {
             Backend::Sqlite(b) => {
-                read_state(b.begin_read().await?, cached, session_id, at_seq).await?
+                read_state(b.begin_read().await?, cached, session_id, at_seq, false).await?
             }
             Backend::Postgres(b) => {
-                read_state(b.begin_read().await?, cached, session_id, at_seq).await?
+                read_state(b.begin_read().await?, cached, session_id, at_seq, false).await?
             }
         };
         if at_seq.is_none() {
             self.cache_state(state.clone());
         }
         Ok(state)
+    }
+
+    /// The state after event `seq`, for a stream resuming there: built on
+    /// the materialized view when the view is at or before `seq` (a client
+    /// reconnecting after the latest refresh point, the usual case), as the
+    /// latest-state reads are, instead of folding the log from seq 1 (9 s
+    /// before the first byte on a session of 10^6 events). Otherwise, and
+    /// with the same errors, [`Store::state`] at `Some(seq)`.
+    pub async fn state_resuming(&self, session_id: Uuid, seq: i64) -> Result<SessionState> {
+        let cached = self.cached_state(session_id);
+        match &self.backend {
+            Backend::Sqlite(b) => {
+                read_state(b.begin_read().await?, cached, session_id, Some(seq), true).await
+            }
+            Backend::Postgres(b) => {
+                read_state(b.begin_read().await?, cached, session_id, Some(seq), true).await
+            }
+        }
     }
 
     /// The latest state in one statement and no transaction: the
@@ -1592,6 +1610,7 @@ async fn read_state<T: LogTx>(
     cached: Option<SessionState>,
     session_id: Uuid,
     at: Option<i64>,
+    from_view: bool,
 ) -> Result<SessionState> {
     let latest = tx.head_seq(session_id).await?;
     if latest == 0 {
@@ -1610,7 +1629,8 @@ async fn read_state<T: LogTx>(
     };
     let state = match cached {
         Some(s) if s.seq <= target => s,
-        _ if at.is_none() => cold_state(&mut tx, session_id).await?.0,
+        // (A view past the target is dropped just below.)
+        _ if at.is_none() || from_view => cold_state(&mut tx, session_id).await?.0,
         _ => SessionState::empty(session_id),
     };
     let state = if state.seq > target {
