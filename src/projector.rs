@@ -132,39 +132,6 @@ fn shed(body: &mut EventBody) {
     }
 }
 
-/// A copy of `body` without what [`SessionState::shed_payloads`] empties.
-fn shed_copy(body: &EventBody) -> EventBody {
-    match body {
-        EventBody::PromptSubmitted { .. } => EventBody::PromptSubmitted {
-            text: String::new(),
-        },
-        EventBody::AssistantMessage { .. } => EventBody::AssistantMessage {
-            text: String::new(),
-        },
-        EventBody::ToolCall {
-            call_id, tool_name, ..
-        } => EventBody::ToolCall {
-            call_id: call_id.clone(),
-            tool_name: tool_name.clone(),
-            input: serde_json::Value::Null,
-        },
-        EventBody::ToolResult {
-            call_id,
-            tool_name,
-            status,
-            added_tool_names,
-            ..
-        } => EventBody::ToolResult {
-            call_id: call_id.clone(),
-            tool_name: tool_name.clone(),
-            status: *status,
-            output: None,
-            added_tool_names: added_tool_names.clone(),
-        },
-        other => other.clone(),
-    }
-}
-
 impl SessionState {
     /// The state of a session with no events.
     pub fn empty(session_id: Uuid) -> SessionState {
@@ -232,18 +199,12 @@ impl SessionState {
         }
     }
 
-    /// [`SessionState::apply`] followed by [`SessionState::shed_payloads`]
-    /// of the new row, without copying what is shed.
-    pub fn apply_shed(&mut self, event: &StoredEvent) {
-        if self.fold_in(event) {
-            self.rows.push(StoredEvent {
-                session_id: event.session_id,
-                seq: event.seq,
-                event_id: event.event_id,
-                position: event.position,
-                recorded_at: event.recorded_at,
-                body: shed_copy(&event.body),
-            });
+    /// [`SessionState::apply_owned`] followed by
+    /// [`SessionState::shed_payloads`] of the new row.
+    pub fn apply_shed(&mut self, mut event: StoredEvent) {
+        if self.fold_in(&event) {
+            shed(&mut event.body);
+            self.rows.push(event);
         }
     }
 
@@ -462,7 +423,7 @@ mod tests {
             let full = SessionState::fold(uuid::Uuid::nil(), &log.events[..n]);
             let mut shed_once = full.clone();
             shed_once.shed_payloads();
-            shed_each.apply_shed(&log.events[n - 1]);
+            shed_each.apply_shed(log.events[n - 1].clone());
             assert_eq!(shed_once.activations(), full.activations(), "seq {n}");
             assert_eq!(shed_each.activations(), full.activations(), "seq {n}");
             assert!(shed_each.rows.iter().all(|r| match &r.body {

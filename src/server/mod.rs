@@ -1083,17 +1083,20 @@ async fn feed_stream(
                     break;
                 }
                 for ev in page {
-                    state.apply_shed(&ev);
                     let lag = (chrono::Utc::now() - ev.recorded_at).num_milliseconds();
                     metrics
                         .subscription_lag_seconds
                         .observe(lag.max(0) as f64 / 1000.0);
-                    if tx.send(Ok(sse_json("event", ev.seq, &ev))).await.is_err() {
+                    let (seq, refresh) = (ev.seq, ev.body.is_refresh_point());
+                    let sent = sse_json("event", seq, &ev);
+                    // The event itself goes to the state, shed of its texts.
+                    state.apply_shed(ev);
+                    if tx.send(Ok(sent)).await.is_err() {
                         return;
                     }
-                    if ev.body.is_refresh_point()
+                    if refresh
                         && tx
-                            .send(Ok(sse_json("activations", ev.seq, &state.activations())))
+                            .send(Ok(sse_json("activations", seq, &state.activations())))
                             .await
                             .is_err()
                     {

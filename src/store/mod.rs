@@ -964,11 +964,8 @@ impl Store {
         after_seq: i64,
         limit: i64,
     ) -> Result<Vec<StoredEvent>> {
-        let limit = limit.clamp(0, 100_000);
-        match &self.backend {
-            Backend::Sqlite(b) => b.page(session_id, after_seq, limit).await,
-            Backend::Postgres(b) => b.page(session_id, after_seq, limit).await,
-        }
+        self.history_within(session_id, after_seq, limit, usize::MAX)
+            .await
     }
 
     /// [`Store::history`] that stops after the event whose payload brings
@@ -984,8 +981,8 @@ impl Store {
     ) -> Result<Vec<StoredEvent>> {
         let limit = limit.clamp(0, 100_000);
         match &self.backend {
-            Backend::Sqlite(b) => b.page_within(session_id, after_seq, limit, max_bytes).await,
-            Backend::Postgres(b) => b.page_within(session_id, after_seq, limit, max_bytes).await,
+            Backend::Sqlite(b) => b.page(session_id, after_seq, limit, max_bytes).await,
+            Backend::Postgres(b) => b.page(session_id, after_seq, limit, max_bytes).await,
         }
     }
 
@@ -1536,6 +1533,25 @@ async fn cold_state<T: LogTx>(
     }
 }
 
+/// The next page of a fold reaching `upto`: events `after + 1 ..`, at most
+/// [`FOLD_PAGE`] and none past `upto`; never empty (the log must have them).
+async fn fold_page<T: LogTx>(
+    tx: &mut T,
+    session_id: Uuid,
+    after: i64,
+    upto: i64,
+) -> Result<Vec<StoredEvent>> {
+    let page = tx
+        .range(session_id, after, upto.min(after + FOLD_PAGE))
+        .await?;
+    if page.is_empty() {
+        return Err(Error::Corrupt(format!(
+            "session {session_id} has no event after seq {after} although it should reach seq {upto}"
+        )));
+    }
+    Ok(page)
+}
+
 /// Folds the events after `state.seq` up to `upto`, a page at a time.
 async fn catch_up<T: LogTx>(
     tx: &mut T,
@@ -1543,14 +1559,7 @@ async fn catch_up<T: LogTx>(
     upto: i64,
 ) -> Result<SessionState> {
     while state.seq < upto {
-        let page_end = upto.min(state.seq + FOLD_PAGE);
-        let page = tx.range(state.session_id, state.seq, page_end).await?;
-        if page.is_empty() {
-            return Err(Error::Corrupt(format!(
-                "session {} has no event after seq {} although it should reach seq {upto}",
-                state.session_id, state.seq
-            )));
-        }
+        let page = fold_page(tx, state.session_id, state.seq, upto).await?;
         for e in &page {
             state.apply(e);
         }
@@ -1643,8 +1652,9 @@ async fn read_state<T: LogTx>(
     // would hold every call of the session.
     let mut state = state;
     while state.seq < target {
-        let page_end = target.min(state.seq + FOLD_PAGE);
-        state = catch_up(&mut tx, state, page_end).await?;
+        for e in &fold_page(&mut tx, session_id, state.seq, target).await? {
+            state.apply(e);
+        }
         state.forget_calls_outside_window();
     }
     Ok(state)
@@ -1695,15 +1705,7 @@ impl LogFold {
         } else {
             self.head
         };
-        let page = tx
-            .range(self.state.session_id, seq, stop.min(seq + FOLD_PAGE))
-            .await?;
-        if page.is_empty() {
-            return Err(Error::Corrupt(format!(
-                "session {} has no event after seq {seq} although it should reach seq {}",
-                self.state.session_id, self.head
-            )));
-        }
+        let page = fold_page(tx, self.state.session_id, seq, stop).await?;
         let mut answered = Vec::new();
         for e in &page {
             match &e.body {

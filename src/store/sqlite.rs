@@ -510,29 +510,11 @@ impl SqliteBackend {
         head_seq(&self.pool, session_id).await
     }
 
+    /// Up to `limit` of the session's events after seq `after`, stopping
+    /// after the one that brings the payloads read to `max_bytes` (at least
+    /// one event when there is one): rows are decoded one at a time, so a
+    /// page of large events never sits in memory whole.
     pub(crate) async fn page(
-        &self,
-        session_id: Uuid,
-        after: i64,
-        limit: i64,
-    ) -> Result<Vec<StoredEvent>> {
-        let rows: Vec<Row> = sqlx::query_as(&format!(
-            "SELECT {COLUMNS} FROM events WHERE session_id = ? AND seq > ? ORDER BY seq LIMIT ?"
-        ))
-        .bind(session_id.to_string())
-        .bind(after)
-        .bind(limit)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(Error::from_sqlx)?;
-        rows.into_iter().map(decode).collect()
-    }
-
-    /// [`Self::page`], stopping after the event that brings the payloads
-    /// read to `max_bytes` (at least one event when there is one): rows
-    /// are decoded one at a time, so a page of large events never sits in
-    /// memory whole.
-    pub(crate) async fn page_within(
         &self,
         session_id: Uuid,
         after: i64,
