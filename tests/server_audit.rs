@@ -380,3 +380,77 @@ both_backends!(
         }
     }
 );
+
+both_backends!(
+    refreshes_stream_a_long_session_page_by_page,
+    |url: String| async move {
+        let store = Arc::new(Store::open(&url).await.expect("open store"));
+        let config = ServerConfig {
+            tokens: Some(Tokens::parse(TOKENS, "the test tokens").expect("tokens")),
+            ..ServerConfig::default()
+        };
+        let app = Server::new(store.clone(), config).router();
+        // Over two pages of the log (the pass reads 2 000 events at a
+        // time), with refresh points that add, drop and restore tools.
+        let id = Uuid::new_v4();
+        let mut seq = 0;
+        let mut events = vec![
+            json!({"type": "session_started", "mode": "code"}),
+            json!({"type": "catalog_defined", "mode": "code", "deferred_tools": ["t0", "t1", "t2", "t3"]}),
+            json!({"type": "catalog_defined", "mode": "ask", "deferred_tools": ["t1"]}),
+        ];
+        for i in 0..1_300 {
+            let call = format!("c{i}");
+            let tool = format!("t{}", i % 5);
+            events.push(json!({"type": "prompt_submitted", "text": format!("p{i}")}));
+            events.push(json!({"type": "tool_call", "call_id": call, "tool_name": "ToolSearch", "input": {}}));
+            events.push(
+                json!({"type": "tool_result", "call_id": call, "tool_name": "ToolSearch",
+                "status": "success", "added_tool_names": [tool]}),
+            );
+            if i % 7 == 0 {
+                let mode = if i % 14 == 0 { "ask" } else { "code" };
+                events.push(json!({"type": "mode_switched", "mode": mode}));
+            }
+        }
+        for chunk in events.chunks(500) {
+            let batch = json!({"expected_seq": seq, "events": chunk});
+            let (s, v) = call(
+                &app,
+                Method::POST,
+                &format!("/v1/sessions/{id}/events"),
+                A_WRITER,
+                Body::from(batch.to_string()),
+            )
+            .await;
+            assert_eq!(s, StatusCode::CREATED, "{v}");
+            seq += chunk.len() as i64;
+        }
+        assert!(seq > 4_000, "{seq} events");
+
+        let mut expected = Vec::new();
+        store
+            .refreshes(id, session_store::audit::At::Latest, |r| {
+                expected.push(serde_json::to_value(r).unwrap());
+                Ok::<(), session_store::Error>(())
+            })
+            .await
+            .unwrap();
+        assert!(expected.len() > 1_400, "{} refresh points", expected.len());
+
+        // Sent as it is made: no length is known up front.
+        let req = Request::builder()
+            .uri(format!("/v1/sessions/{id}/refreshes"))
+            .header(header::AUTHORIZATION, format!("Bearer {A_WRITER}"))
+            .body(Body::empty())
+            .unwrap();
+        let response = app.clone().oneshot(req).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(response.headers()[header::CONTENT_TYPE], "application/json");
+        assert!(response.headers().get(header::CONTENT_LENGTH).is_none());
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        let v: Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(v["session_id"], json!(id.to_string()));
+        assert_eq!(v["refreshes"], Value::Array(expected));
+    }
+);

@@ -4,19 +4,24 @@
 //! always narrowed to the token's tenant: the store is asked with the
 //! tenant as a filter, so another tenant's rows are never read.
 
+use axum::body::Body;
 use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::{Path, Query, State};
-use axum::http::HeaderMap;
+use axum::http::{header, HeaderMap};
+use axum::response::{IntoResponse, Response};
 use axum::Json;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tracing::warn;
 use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 
 use super::auth::Scope;
 use super::error::{ApiError, ErrorBody};
 use super::{parse_session_id, query, Server, SessionPath};
-use crate::audit::{At, Explanation, Refresh};
+use crate::audit::{At, Explanation, Refresh, RefreshTracker};
 use crate::store::query::{
     AnomalyKind, AnomalyPage, AnomalyQuery, ChangePage, ChangeQuery, EventPage, EventQuery,
     Scope as Narrowing,
@@ -78,7 +83,8 @@ pub(super) async fn explain(
     ))
 }
 
-/// Every refresh point of a session.
+/// Every refresh point of a session: the shape of the body
+/// [`refreshes`] streams (written by [`RefreshListWriter`]).
 #[derive(Debug, Serialize, ToSchema)]
 pub struct RefreshList {
     /// The session.
@@ -87,8 +93,55 @@ pub struct RefreshList {
     refreshes: Vec<Refresh>,
 }
 
+/// Writes a [`RefreshList`] piece by piece, so that a session with a
+/// hundred thousand refresh points is sent a page at a time instead of
+/// being held whole: the same bytes `serde_json` would write for the
+/// whole list.
+struct RefreshListWriter {
+    buf: Vec<u8>,
+    first: bool,
+}
+
+impl RefreshListWriter {
+    fn new(session_id: Uuid) -> RefreshListWriter {
+        RefreshListWriter {
+            buf: format!(r#"{{"session_id":"{session_id}","refreshes":["#).into_bytes(),
+            first: true,
+        }
+    }
+
+    fn push(&mut self, r: &Refresh) -> Result<(), crate::error::Error> {
+        if !self.first {
+            self.buf.push(b',');
+        }
+        self.first = false;
+        serde_json::to_writer(&mut self.buf, r).map_err(|e| {
+            crate::error::Error::Database(format!("cannot write a refresh point: {e}"))
+        })
+    }
+
+    /// What was written since the last take.
+    fn take(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.buf)
+    }
+
+    fn finish(mut self) -> Vec<u8> {
+        self.buf.extend_from_slice(b"]}");
+        self.buf
+    }
+}
+
+/// Pages of the body [`refreshes`] may have ready ahead of its client.
+const REFRESH_PAGES_AHEAD: usize = 2;
+
 /// Every refresh point of the session: the activation set after it and
 /// the difference from the previous one, with the reason of each removal.
+///
+/// The body is streamed, one page of the log at a time, so a long session
+/// costs the server one page of memory, not its whole list. An unknown
+/// session or a database that fails on the first page answers with its
+/// status; a failure later cuts the body off, which a client sees as an
+/// unfinished JSON document, never as a shorter list.
 #[utoipa::path(
     get,
     path = "/v1/sessions/{id}/refreshes",
@@ -99,6 +152,7 @@ pub struct RefreshList {
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody),
+        (status = 503, description = "The database is unavailable", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
@@ -107,24 +161,47 @@ pub(super) async fn refreshes(
     headers: HeaderMap,
     SessionPath(id): SessionPath,
     q: Result<Query<super::NoQuery>, QueryRejection>,
-) -> Result<Json<RefreshList>, ApiError> {
+) -> Result<Response, ApiError> {
     // Who asks first, as on every route: a caller without a token hears
     // 401, whatever its query.
     let (_, session_id) = server.session_for(&headers, Scope::Read, &id).await?;
     query(q)?;
-    let mut refreshes = Vec::new();
-    server
-        .inner
-        .store
-        .refreshes(session_id, At::Latest, |r| {
-            refreshes.push(r);
-            Ok::<(), crate::error::Error>(())
-        })
-        .await?;
-    Ok(Json(RefreshList {
-        session_id,
-        refreshes,
-    }))
+    let store = server.inner.store.clone();
+    let mut pages = store.event_pages(session_id, At::Latest).await?;
+    let mut page = pages.next_page(&store).await?;
+    let (tx, rx) = mpsc::channel::<Result<Vec<u8>, crate::error::Error>>(REFRESH_PAGES_AHEAD);
+    tokio::spawn(async move {
+        let mut tracker = RefreshTracker::new(session_id);
+        let mut out = RefreshListWriter::new(session_id);
+        while let Some(events) = page {
+            for e in &events {
+                if let Some(r) = tracker.apply(e) {
+                    if let Err(e) = out.push(&r) {
+                        let _ = tx.send(Err(e)).await;
+                        return;
+                    }
+                }
+            }
+            // The client gone, the pass ends.
+            if tx.send(Ok(out.take())).await.is_err() {
+                return;
+            }
+            page = match pages.next_page(&store).await {
+                Ok(p) => p,
+                Err(e) => {
+                    warn!(%session_id, cause = %e, "refreshes cut off");
+                    let _ = tx.send(Err(e)).await;
+                    return;
+                }
+            };
+        }
+        let _ = tx.send(Ok(out.finish())).await;
+    });
+    Ok((
+        [(header::CONTENT_TYPE, "application/json")],
+        Body::from_stream(ReceiverStream::new(rx)),
+    )
+        .into_response())
 }
 
 /// Narrowing shared by the `/v1/audit` queries.
@@ -336,4 +413,51 @@ pub(super) async fn audit_anomalies(
         })
         .await?;
     Ok(Json(page))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::ToolStatus::Success;
+    use crate::testkit::{call, catalog, prompt, result, started, switch, Log};
+
+    /// The streamed body is, byte for byte, what serializing the whole
+    /// list writes: with no refresh point, one, and several.
+    #[test]
+    fn the_streamed_list_is_the_serialized_list() {
+        let log = Log::new()
+            .push(started("agent"))
+            .push(catalog("agent", &["web_fetch"]))
+            .push(prompt("p1"))
+            .push(call("c1", "ToolSearch"))
+            .push(result("c1", "ToolSearch", Success, &["web_fetch"]))
+            .push(prompt("p2"))
+            .push(switch("plan"))
+            .push(switch("agent"));
+        let session_id = Uuid::now_v7();
+        let mut tracker = RefreshTracker::new(session_id);
+        let all: Vec<Refresh> = log.events.iter().filter_map(|e| tracker.apply(e)).collect();
+        assert_eq!(all.len(), 4);
+        for n in [0, 1, all.len()] {
+            let mut w = RefreshListWriter::new(session_id);
+            let mut body = Vec::new();
+            for (i, r) in all[..n].iter().enumerate() {
+                w.push(r).unwrap();
+                // Taken at uneven points, as pages end.
+                if i % 2 == 0 {
+                    body.extend(w.take());
+                }
+            }
+            body.extend(w.finish());
+            let whole = RefreshList {
+                session_id,
+                refreshes: all[..n].to_vec(),
+            };
+            assert_eq!(
+                String::from_utf8(body).unwrap(),
+                serde_json::to_string(&whole).unwrap(),
+                "{n} refresh points"
+            );
+        }
+    }
 }

@@ -45,17 +45,14 @@ impl Store {
         .await
     }
 
-    /// Feeds the session's events from seq 1 up to `at` to `f`, a page at
-    /// a time.
-    async fn each_event<E: From<Error>>(
-        &self,
-        session_id: Uuid,
-        at: At,
-        mut f: impl FnMut(&StoredEvent) -> std::result::Result<(), E>,
-    ) -> std::result::Result<(), E> {
+    /// The session's events from seq 1 up to `at`, to be read a page at a
+    /// time with [`EventPages::next_page`]. Errors:
+    /// [`Error::SessionNotFound`], [`Error::SeqOutOfRange`]; a prompt past
+    /// the session's last one is said by the last `next_page`.
+    pub async fn event_pages(&self, session_id: Uuid, at: At) -> Result<EventPages> {
         let latest = self.head_seq(session_id).await?;
         if latest == 0 {
-            return Err(Error::SessionNotFound(session_id).into());
+            return Err(Error::SessionNotFound(session_id));
         }
         let (target, prompt) = match at {
             At::Latest => (latest, None),
@@ -65,39 +62,102 @@ impl Store {
                     session_id,
                     seq: n,
                     latest,
-                }
-                .into())
+                })
             }
             At::Prompt(k) => (latest, Some(k)),
         };
-        let mut prompts = 0;
-        let mut reached = false;
-        let mut after = 0;
-        'pages: while after < target {
-            let page = self
-                .history(session_id, after, FOLD_PAGE.min(target - after))
-                .await?;
-            let Some(last) = page.last() else { break };
-            after = last.seq;
+        Ok(EventPages {
+            session_id,
+            target,
+            prompt,
+            prompts: 0,
+            after: 0,
+            done: false,
+        })
+    }
+
+    /// Feeds the session's events from seq 1 up to `at` to `f`, a page at
+    /// a time.
+    async fn each_event<E: From<Error>>(
+        &self,
+        session_id: Uuid,
+        at: At,
+        mut f: impl FnMut(&StoredEvent) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        let mut pages = self.event_pages(session_id, at).await?;
+        while let Some(page) = pages.next_page(self).await? {
             for e in &page {
                 f(e)?;
-                if matches!(e.body, EventBody::PromptSubmitted { .. }) {
-                    prompts += 1;
-                    if prompt == Some(prompts) {
-                        reached = true;
-                        break 'pages;
-                    }
-                }
             }
         }
-        match prompt {
-            Some(k) if !reached => Err(Error::PromptOutOfRange {
-                session_id,
-                prompt: k,
-                prompts,
-            }
-            .into()),
-            _ => Ok(()),
+        Ok(())
+    }
+}
+
+/// A pass over one session's log from seq 1, a page at a time: what
+/// `explain` and `refreshes` fold, and what the HTTP server streams a
+/// session's refresh points from without holding them all. It keeps no
+/// store, so that a task that outlives a request can own it beside its
+/// own handle on the store.
+#[derive(Debug)]
+pub struct EventPages {
+    session_id: Uuid,
+    /// The last seq to read.
+    target: i64,
+    /// Stop after the K-th `prompt_submitted` (`At::Prompt`).
+    prompt: Option<i64>,
+    /// Prompts read so far.
+    prompts: i64,
+    /// The last seq read.
+    after: i64,
+    done: bool,
+}
+
+impl EventPages {
+    /// The next page of events, in seq order; `None` once every event up
+    /// to the target was given. With `At::Prompt(k)` the pass ends at the
+    /// k-th prompt, and a session with fewer prompts ends with
+    /// [`Error::PromptOutOfRange`] after its last page.
+    pub async fn next_page(&mut self, store: &Store) -> Result<Option<Vec<StoredEvent>>> {
+        if self.done {
+            return Ok(None);
         }
+        let mut page = match self.after < self.target {
+            true => {
+                store
+                    .history(
+                        self.session_id,
+                        self.after,
+                        FOLD_PAGE.min(self.target - self.after),
+                    )
+                    .await?
+            }
+            false => Vec::new(),
+        };
+        let Some(last) = page.last() else {
+            self.done = true;
+            return match self.prompt {
+                Some(k) => Err(Error::PromptOutOfRange {
+                    session_id: self.session_id,
+                    prompt: k,
+                    prompts: self.prompts,
+                }),
+                None => Ok(None),
+            };
+        };
+        self.after = last.seq;
+        if let Some(k) = self.prompt {
+            let prompts = &mut self.prompts;
+            let reached = page.iter().position(|e| {
+                let prompt = matches!(e.body, EventBody::PromptSubmitted { .. });
+                *prompts += i64::from(prompt);
+                prompt && *prompts == k
+            });
+            if let Some(i) = reached {
+                page.truncate(i + 1);
+                self.done = true;
+            }
+        }
+        Ok(Some(page))
     }
 }

@@ -36,6 +36,7 @@ pub(crate) mod sqlite;
 mod subscribe;
 
 pub use chain::{ChainHead, IntegrityReport};
+pub use explain::EventPages;
 pub use subscribe::{Subscription, Watch};
 
 use std::collections::{HashMap, HashSet};
