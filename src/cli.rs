@@ -1455,7 +1455,7 @@ impl InputLines {
                         Rule::TooLarge,
                         None,
                         format!(
-                            "the line is over {} bytes, the most a line may hold (--max-event-bytes and {} KiB for its envelope and spacing)",
+                            "the line is over {} bytes, the most a line may hold (six times --max-event-bytes, for escapes, and {} KiB for its envelope and spacing)",
                             self.limit,
                             crate::event::LINE_ENVELOPE_BYTES / 1024
                         ),

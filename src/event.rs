@@ -340,14 +340,23 @@ pub fn check_unique_keys(text: &[u8]) -> Result<(), serde_json::Error> {
 /// (`session_id`, `event_id`, `recorded_at`, about 150 bytes) and any
 /// spacing. The limit of §4 is on the event's JSON text as the store keeps
 /// it (the store checks it at append); a line is refused before it is
-/// parsed only when it is over that limit by more than this, so that an
-/// export of an event at the limit re-imports.
+/// parsed only when it is over [`line_limit`], so that an export of an
+/// event at the limit re-imports.
 pub const LINE_ENVELOPE_BYTES: usize = 64 * 1024;
 
+/// How much longer than the store's JSON text an event's line may be
+/// written: `export` writes DEL (one byte as kept) and C1 characters (two)
+/// as six-byte escapes (`\u007f`), so that no line can drive a terminal.
+pub const LINE_ESCAPE_FACTOR: usize = 6;
+
 /// The longest line `import` and `append` read for a limit of
-/// `max_event_bytes` (see [`LINE_ENVELOPE_BYTES`]).
+/// `max_event_bytes`: room for an event at the limit written with every
+/// character escaped ([`LINE_ESCAPE_FACTOR`]) and its envelope
+/// ([`LINE_ENVELOPE_BYTES`]).
 pub fn line_limit(max_event_bytes: usize) -> usize {
-    max_event_bytes.saturating_add(LINE_ENVELOPE_BYTES)
+    max_event_bytes
+        .saturating_mul(LINE_ESCAPE_FACTOR)
+        .saturating_add(LINE_ENVELOPE_BYTES)
 }
 
 /// Parses one JSON line into an event, checking the envelope fields allowed
@@ -363,8 +372,9 @@ pub fn parse_line(
             Rule::TooLarge,
             None,
             format!(
-                "the line is {} bytes, over the limit of {max_bytes} bytes of JSON per event (and {} KiB for its envelope and spacing)",
+                "the line is {} bytes, over the {} a line may hold for events of up to {max_bytes} bytes of JSON (six times that, for escapes, and {} KiB for the envelope and spacing)",
                 line.len(),
+                line_limit(max_bytes),
                 LINE_ENVELOPE_BYTES / 1024
             ),
         ));
@@ -796,10 +806,15 @@ mod tests {
     #[test]
     fn a_line_past_the_limit_and_the_envelopes_room_is_rejected_unparsed() {
         let l = line(r#""type":"prompt_submitted","text":"xxxxxxxxxxxxxxxx""#);
-        let long = format!("{l}{}", " ".repeat(LINE_ENVELOPE_BYTES));
-        let e = parse_line(&long, LineKind::Import, l.len() - 1).unwrap_err();
+        // Parsed up to six times the limit and the envelope's room (the
+        // event's own size is the store's to judge), refused unread past.
+        let max = 10;
+        assert_eq!(line_limit(max), 60 + LINE_ENVELOPE_BYTES);
+        let at_limit = format!("{l}{}", " ".repeat(line_limit(max) - l.len()));
+        assert!(parse_line(&at_limit, LineKind::Import, max).is_ok());
+        let e = parse_line(&format!("{at_limit} "), LineKind::Import, max).unwrap_err();
         assert_eq!(e.rule, Rule::TooLarge);
-        assert!(parse_line(&long, LineKind::Import, l.len()).is_ok());
+        assert!(e.message.contains("six times"), "{}", e.message);
     }
 
     #[test]

@@ -2,6 +2,8 @@
 //! command, map its error to an exit code (0 ok, 1 invalid input or not
 //! found, 2 usage, 3 conflict, 4 storage unavailable).
 
+use std::io::Write;
+
 use clap::Parser;
 use session_store::cli::{run, Cli};
 
@@ -37,7 +39,12 @@ fn main() {
         Ok(()) => 0,
         Err(session_store::cli::CliError::OutputClosed) => 0,
         Err(e) => {
-            eprintln!("session-store: {e}");
+            // Through the same filter as standard output: a message may
+            // quote what the input held (a type, a tool name), and a DEL
+            // or C1 character in it must not reach the terminal raw.
+            let mut err = session_store::cli::Printable::new(std::io::stderr().lock());
+            let _ = writeln!(err, "session-store: {e}");
+            drop(err);
             e.exit_code()
         }
     };

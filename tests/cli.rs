@@ -1200,6 +1200,70 @@ fn text_a_session_holds_cannot_drive_the_terminal() {
 }
 
 #[test]
+fn an_export_of_escaped_characters_at_the_limit_imports_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (
+        dir.path().join("a.db").display().to_string(),
+        dir.path().join("b.db").display().to_string(),
+    );
+    // Kept as one (DEL) or two (C1) bytes each, exported as six: an event
+    // near the limit makes a line several times the limit.
+    let text = "\u{7f}\u{85}".repeat(10_000);
+    let lines = [
+        serde_json::json!({"session_id": S, "type": "session_started", "mode": "a"}),
+        serde_json::json!({"session_id": S, "type": "prompt_submitted", "text": text}),
+    ]
+    .map(|v| v.to_string())
+    .join("\n");
+    let limit = ["--max-event-bytes", "30200"];
+    let out = run(&a, &[&limit[..], &["import"]].concat(), Some(&lines));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let export = stdout(&run(&a, &["export", S], None));
+    // Over the limit and the envelope's room: refused unread before.
+    assert!(export.lines().nth(1).unwrap().len() > 30_200 + 64 * 1024);
+    let out = run(&b, &[&limit[..], &["import"]].concat(), Some(&export));
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stdout(&run(&b, &["export", S], None)), export);
+}
+
+#[test]
+fn an_error_message_quoting_the_input_cannot_drive_the_terminal() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = dir.path().join("s.db").display().to_string();
+    // DEL and C1 (U+009B is CSI) in what a message quotes back: the
+    // unknown type, a tool name.
+    for line in [
+        serde_json::json!({"type": "x\u{9b}2J\u{7f}"}),
+        serde_json::json!({"type": "tool_call", "call_id": "c", "tool_name": "a\u{7f}\u{9d}0;t\u{9c}", "input": {}}),
+    ] {
+        let out = run(
+            &url,
+            &["append", S, "--expected-seq", "0"],
+            Some(&line.to_string()),
+        );
+        assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+        let raw = &out.stderr;
+        assert!(
+            !raw.windows(2).any(|w| w[0] == 0x7f
+                || w[1] == 0x7f
+                || (w[0] == 0xc2 && (0x80..=0x9f).contains(&w[1]))),
+            "a raw control character: {}",
+            String::from_utf8_lossy(raw)
+        );
+    }
+    let out = run(
+        &url,
+        &["append", S, "--expected-seq", "0"],
+        Some(r#"{"type":"x\u009b2J\u007f"}"#),
+    );
+    assert!(
+        stderr(&out).contains(r#""x\u009b2J\u007f""#),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
 fn import_says_what_it_kept_and_reads_past_a_byte_order_mark() {
     let dir = tempfile::tempdir().unwrap();
     let url = dir.path().join("s.db").display().to_string();
