@@ -276,6 +276,62 @@ pub struct ParsedLine {
     pub event: NewEvent,
 }
 
+/// The object key that serde_json, built with `arbitrary_precision` so
+/// that numbers keep the digits they were written with (§3), uses to carry
+/// a number through serde: an object with it as its first key parses as a
+/// number (or fails as one), so it cannot be stored as it was sent.
+pub const RESERVED_KEY: &str = "$serde_json::private::Number";
+
+/// Refuses a JSON text in which an object has [`RESERVED_KEY`] as a key,
+/// however it is spelled (`\u0024…`), naming the column (in bytes, from 1)
+/// where the key starts; to be run before the text is parsed, whose error
+/// would otherwise be a misleading one, or none with the object stored as
+/// a number. Text that is not JSON passes: the parser says what is wrong.
+pub fn check_reserved_key(text: &[u8]) -> Result<(), String> {
+    // Every spelling of the key holds its last word, or an escape.
+    let has = |needle: &[u8]| memchr::memmem::find(text, needle).is_some();
+    if !has(b"Number") && !has(b"\\u") {
+        return Ok(());
+    }
+    let mut i = 0;
+    while i < text.len() {
+        if text[i] != b'"' {
+            i += 1;
+            continue;
+        }
+        let start = i;
+        let mut escaped = false;
+        i += 1;
+        while i < text.len() && text[i] != b'"' {
+            if text[i] == b'\\' {
+                escaped = true;
+                i += 1;
+            }
+            i += 1;
+        }
+        if i >= text.len() {
+            return Ok(());
+        }
+        i += 1;
+        let literal = &text[start..i];
+        let after = text[i..]
+            .iter()
+            .find(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r'));
+        let reserved = match escaped {
+            false => &literal[1..literal.len() - 1] == RESERVED_KEY.as_bytes(),
+            true => serde_json::from_slice::<String>(literal).is_ok_and(|k| k == RESERVED_KEY),
+        };
+        if after == Some(&b':') && reserved {
+            return Err(format!(
+                "the object key {} at column {} cannot be stored: the JSON library the store is built on reserves it",
+                crate::error::quoted(RESERVED_KEY),
+                start + 1
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Refuses a JSON object that gives one key twice, at any depth: a parser
 /// keeps only one of them, so the stored event would not be the one that
 /// was sent (§3: values round-trip, nothing but key order may change).
@@ -386,6 +442,8 @@ pub fn parse_line(
         let said = e.to_string().replace(" at line 1 column ", " at column ");
         ValidationError::new(Rule::MalformedJson, None, format!("malformed JSON: {said}"))
     };
+    check_reserved_key(line.as_bytes())
+        .map_err(|m| ValidationError::new(Rule::MalformedJson, None, m))?;
     let value: Value = serde_json::from_str(line).map_err(malformed)?;
     check_unique_keys(line.as_bytes()).map_err(malformed)?;
     let Value::Object(map) = value else {
@@ -801,6 +859,42 @@ mod tests {
             rule(&bad_time),
             (Rule::MistypedField, Some("recorded_at".into()))
         );
+    }
+
+    #[test]
+    fn the_number_key_of_serde_json_is_refused_however_spelled() {
+        // Stored as given, it would read back as the number 12, or fail
+        // to parse with a message about numbers.
+        for payload in [
+            r#"{"$serde_json::private::Number":"12"}"#,
+            r#"{"k": {"$serde_json::private::Number" : "1", "x": 2}}"#,
+            r#"{"x": 2, "\u0024serde_json::private::Numbe\u0072": "1"}"#,
+        ] {
+            let l = line(&format!(
+                r#""type":"tool_call","call_id":"c","tool_name":"t","input":{payload}"#
+            ));
+            let e = parse(&l).unwrap_err();
+            assert_eq!(e.rule, Rule::MalformedJson, "{payload}");
+            assert!(e.message.contains("cannot be stored"), "{}", e.message);
+        }
+        // As a value, beside numbers, or a key that only resembles it.
+        for payload in [
+            r#"{"k": "$serde_json::private::Number", "n": 1.50, "Number": 1e400}"#,
+            r#"{"$serde_json::private::Number2": "12", "\u0041": ["Number"]}"#,
+        ] {
+            let l = line(&format!(
+                r#""type":"tool_call","call_id":"c","tool_name":"t","input":{payload}"#
+            ));
+            let parsed = parse(&l).unwrap();
+            let EventBody::ToolCall { input, .. } = parsed.event.body else {
+                panic!("{parsed:?}")
+            };
+            assert_eq!(
+                input.to_string(),
+                serde_json::from_str::<Value>(payload).unwrap().to_string()
+            );
+        }
+        assert_eq!(check_reserved_key(b"{\"a\": \"\\\""), Ok(()));
     }
 
     #[test]

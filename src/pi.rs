@@ -911,6 +911,7 @@ impl Builder {
 }
 
 fn parse_object(line: usize, text: &str) -> Result<Map<String, Value>, PiError> {
+    crate::event::check_reserved_key(text.as_bytes()).map_err(|m| PiError::new(line, None, m))?;
     match serde_json::from_str::<Value>(text) {
         Ok(Value::Object(m)) => Ok(m),
         Ok(other) => Err(PiError::new(

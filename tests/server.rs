@@ -243,6 +243,22 @@ both_backends!(every_documented_status, |url: String| async move {
         v["message"].as_str().unwrap().contains("appears twice"),
         "{v}"
     );
+    // serde_json's number key would be stored as a number.
+    let (s, v, _) = call(
+        &app,
+        Method::POST,
+        &uri,
+        None,
+        Some("application/json"),
+        r#"{"expected_seq": 6, "events": [{"type": "tool_call", "call_id": "n", "tool_name": "t", "input": {"$serde_json::private::Number": "12"}}]}"#,
+    )
+    .await;
+    assert_error(s, &v, StatusCode::BAD_REQUEST, "bad_request");
+    assert_eq!(v["rule"], "malformed-json");
+    assert!(
+        v["message"].as_str().unwrap().contains("cannot be stored"),
+        "{v}"
+    );
     let (s, v) = get(&app, "/v1/sessions/not-a-uuid/context", None).await;
     assert_error(s, &v, StatusCode::BAD_REQUEST, "bad_request");
 

@@ -507,13 +507,15 @@ type ParsedEvents = Result<Vec<NewEvent>, ApiError>;
 /// inner error, judged only after the expected seq (SEMANTICS §2: a stale
 /// writer hears of the conflict first).
 fn parse_append(body: &[u8]) -> Result<(i64, ParsedEvents), ApiError> {
+    let malformed = |m: String| {
+        let mut a = ApiError::bad_request(m);
+        a.body.rule = Some(Rule::MalformedJson.code().to_owned());
+        a
+    };
+    crate::event::check_reserved_key(body).map_err(|m| malformed(format!("the body: {m}")))?;
     let value: Value = serde_json::from_slice(body)
         .and_then(|v| crate::event::check_unique_keys(body).map(|()| v))
-        .map_err(|e| {
-            let mut a = ApiError::bad_request(format!("the body is not JSON: {e}"));
-            a.body.rule = Some(Rule::MalformedJson.code().to_owned());
-            a
-        })?;
+        .map_err(|e| malformed(format!("the body is not JSON: {e}")))?;
     let Value::Object(mut map) = value else {
         let mut a = ApiError::bad_request(
             "the body must be a JSON object: {\"expected_seq\": N, \"events\": [...]}",
