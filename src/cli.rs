@@ -1786,7 +1786,7 @@ async fn import_pi_once(
     // The first seq that differs: in the events both have, then past the
     // file's end.
     for (s, p) in stored.iter().zip(&session.events) {
-        if Some(s.event_id) != p.event.event_id || s.body != p.event.body {
+        if Some(s.event_id) != p.event.event_id || !s.body.same_content(&p.event.body) {
             return Err(different(
                 s.seq,
                 format!(

@@ -189,6 +189,24 @@ impl EventBody {
         serde_json::to_string(self).unwrap_or_default()
     }
 
+    /// Whether `other` is the same event content "as JSON values" (§2's
+    /// idempotent retry): key order aside, numbers compare by their value,
+    /// so `1.0`, `1`, `1e0` and `10e-1` are one number, as they are to
+    /// `jq` or Python after an export has been through them. The stored
+    /// text keeps the digits it was first sent with either way.
+    pub fn same_content(&self, other: &EventBody) -> bool {
+        if self == other {
+            return true;
+        }
+        if self.type_name() != other.type_name() {
+            return false;
+        }
+        match (serde_json::to_value(self), serde_json::to_value(other)) {
+            (Ok(a), Ok(b)) => json_equal(&a, &b),
+            _ => false,
+        }
+    }
+
     /// Reads back a body stored by [`EventBody::to_json_text`].
     pub fn from_json_text(text: &str) -> Result<EventBody, ValidationError> {
         let value: Value = serde_json::from_str(text).map_err(|e| {
@@ -274,6 +292,59 @@ pub struct ParsedLine {
     pub session_id: Option<Uuid>,
     /// The event.
     pub event: NewEvent,
+}
+
+/// Equality of JSON values, with numbers compared by their exact decimal
+/// value (see [`EventBody::same_content`]).
+pub fn json_equal(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Number(x), Value::Number(y)) => {
+            let (x, y) = (x.to_string(), y.to_string());
+            x == y || decimal(&x).is_some_and(|d| decimal(&y) == Some(d))
+        }
+        (Value::Array(x), Value::Array(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(x, y)| json_equal(x, y))
+        }
+        (Value::Object(x), Value::Object(y)) => {
+            x.len() == y.len()
+                && x.iter()
+                    .all(|(k, v)| y.get(k).is_some_and(|w| json_equal(v, w)))
+        }
+        _ => a == b,
+    }
+}
+
+/// A JSON number's exact value as (negative, significant digits without
+/// leading or trailing zeros, power of ten), zero as `(false, "", 0)`
+/// whatever its sign; `None` for text that is not a JSON number or an
+/// exponent too long to hold, which then only equals itself.
+fn decimal(text: &str) -> Option<(bool, String, i128)> {
+    let (negative, rest) = match text.strip_prefix('-') {
+        Some(r) => (true, r),
+        None => (false, text),
+    };
+    let (mantissa, exponent) = match rest.find(['e', 'E']) {
+        Some(i) => (&rest[..i], &rest[i + 1..]),
+        None => (rest, "0"),
+    };
+    let exponent = exponent.strip_prefix('+').unwrap_or(exponent);
+    if exponent.trim_start_matches('-').len() > 30 {
+        return None;
+    }
+    let mut exponent: i128 = exponent.parse().ok()?;
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    if int.is_empty() || !(int.bytes().chain(frac.bytes())).all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    exponent -= frac.len() as i128;
+    let all = format!("{int}{frac}");
+    let digits = all.trim_start_matches('0');
+    let significant = digits.trim_end_matches('0');
+    exponent += (digits.len() - significant.len()) as i128;
+    match significant.is_empty() {
+        true => Some((false, String::new(), 0)),
+        false => Some((negative, significant.to_owned(), exponent)),
+    }
 }
 
 /// The object key that serde_json, built with `arbitrary_precision` so
@@ -859,6 +930,46 @@ mod tests {
             rule(&bad_time),
             (Rule::MistypedField, Some("recorded_at".into()))
         );
+    }
+
+    #[test]
+    fn numbers_are_equal_by_value_whatever_their_spelling() {
+        let v = |t: &str| serde_json::from_str::<Value>(t).unwrap();
+        for (a, b) in [
+            ("1", "1.0"),
+            ("100", "1e2"),
+            ("100", "1E+2"),
+            ("0.5", "0.50"),
+            ("0.5", "5e-1"),
+            ("-0", "0"),
+            ("-0.0", "0e5"),
+            (
+                "123456789012345678901234567890",
+                "1.2345678901234567890123456789e29",
+            ),
+            (
+                r#"{"a": [1, {"b": 2.50}], "c": 3}"#,
+                r#"{"c": 3e0, "a": [1.0, {"b": 2.5}]}"#,
+            ),
+        ] {
+            assert!(json_equal(&v(a), &v(b)), "{a} = {b}");
+            assert!(json_equal(&v(b), &v(a)), "{b} = {a}");
+        }
+        for (a, b) in [
+            ("1", "-1"),
+            ("1", "10"),
+            ("0.1", "0.01"),
+            ("1e2", "1e3"),
+            ("1", "\"1\""),
+            ("[1, 2]", "[2, 1]"),
+            (r#"{"a": 1}"#, r#"{"a": 1, "b": 1}"#),
+            (
+                "1e99999999999999999999999999999999",
+                "1e99999999999999999999999999999998",
+            ),
+        ] {
+            assert!(!json_equal(&v(a), &v(b)), "{a} ≠ {b}");
+        }
     }
 
     #[test]

@@ -1200,6 +1200,44 @@ fn text_a_session_holds_cannot_drive_the_terminal() {
 }
 
 #[test]
+fn a_retry_that_respells_numbers_is_the_same_event() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = dir.path().join("s.db").display().to_string();
+    let lines = [
+        r#"{"type":"session_started","mode":"a"}"#,
+        r#"{"type":"tool_call","call_id":"c","tool_name":"t","input":{"limit":1e3,"ratio":1.50,"n":[-0,7]}}"#,
+    ]
+    .join("\n");
+    let out = run(&url, &["append", S, "--expected-seq", "0"], Some(&lines));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let export = stdout(&run(&url, &["export", S], None));
+    // What jq or Python write back: 1e+3 as 1000, 1.50 as 1.5, -0 as 0.
+    let respelled = export
+        .replace("1e+3", "1000")
+        .replace("1.50", "1.5")
+        .replace("[0,7]", "[0.0,7e0]");
+    assert_ne!(respelled, export);
+    let out = run(&url, &["import"], Some(&respelled));
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("(2 already stored)"),
+        "{}",
+        stdout(&out)
+    );
+    // Stored as first sent.
+    assert_eq!(stdout(&run(&url, &["export", S], None)), export);
+    // A different number is other content.
+    let other = export.replace("1.50", "1.51");
+    let out = run(&url, &["import"], Some(&other));
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("already stored with other content"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
 fn an_export_of_escaped_characters_at_the_limit_imports_again() {
     let dir = tempfile::tempdir().unwrap();
     let (a, b) = (

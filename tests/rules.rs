@@ -488,9 +488,10 @@ fn position_given_in_a_line_is_rejected() {
 #[test]
 fn a_line_is_refused_unparsed_only_past_the_limit_and_the_envelopes_room() {
     // The §4 limit is on the event's JSON text, which the store judges; a
-    // line may carry its envelope and spacing beyond it (an export of an
-    // event at the limit must import), so only a line past both is
-    // refused before it is parsed.
+    // line may carry its envelope, spacing and export's escapes beyond it
+    // (an export of an event at the limit must import), so only a line
+    // past six times the limit and the envelope's room is refused before
+    // it is parsed.
     let limit = 100;
     let line = format!(
         r#"{{"type": "prompt_submitted", "text": "hello"}}{}"#,
@@ -508,7 +509,7 @@ fn default_size_limit_is_one_mebibyte() {
     assert_eq!(DEFAULT_MAX_EVENT_BYTES, 1024 * 1024);
     assert_eq!(
         line_limit(DEFAULT_MAX_EVENT_BYTES),
-        DEFAULT_MAX_EVENT_BYTES + LINE_ENVELOPE_BYTES
+        6 * DEFAULT_MAX_EVENT_BYTES + LINE_ENVELOPE_BYTES
     );
 }
 

@@ -1276,7 +1276,7 @@ async fn judge_and_write<T: LogTx>(
             let Some(prior) = e.event_id.and_then(|id| by_id.get(&id)) else {
                 continue;
             };
-            if prior.session_id != session_id || prior.body != e.body {
+            if prior.session_id != session_id || !prior.body.same_content(&e.body) {
                 return Err(ValidationError::new(
                     Rule::EventIdReused,
                     Some("event_id"),
