@@ -71,7 +71,7 @@ pub enum Command {
         /// What the file holds.
         #[arg(long, value_enum, default_value_t = ImportFormat::Jsonl)]
         format: ImportFormat,
-        /// The file; standard input without it.
+        /// The file; standard input without it or with `-`.
         file: Option<PathBuf>,
     },
     /// Append one atomic batch of JSON lines to SESSION.
@@ -81,7 +81,7 @@ pub enum Command {
         /// The seq the writer last saw (0 for a new session).
         #[arg(long, value_parser = clap::value_parser!(i64).range(0..))]
         expected_seq: i64,
-        /// The JSON-lines file; standard input without it.
+        /// The JSON-lines file; standard input without it or with `-`.
         file: Option<PathBuf>,
     },
     /// Print the effective context (SEMANTICS §5).
@@ -527,7 +527,10 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
     // opened only once (a second open would wait for a writer that has
     // gone).
     let input = match &cli.command {
-        Command::Import { file, .. } | Command::Append { file, .. } => {
+        Command::Import { file, .. } => Some(open_input(file.as_ref())?),
+        Command::Append { file, session, .. } => {
+            // A session that is no UUID is said before a store is made.
+            parse_session(session)?;
             Some(open_input(file.as_ref())?)
         }
         _ => None,
@@ -1376,12 +1379,21 @@ fn io(e: std::io::Error) -> CliError {
 /// `file`, or standard input without one, for reading lines.
 fn open_input(file: Option<&PathBuf>) -> Result<Box<dyn BufRead>, CliError> {
     Ok(match file {
-        Some(path) => Box::new(std::io::BufReader::new(
+        // `-` is standard input, as for most tools that read files.
+        Some(path) if path.as_os_str() != "-" => Box::new(std::io::BufReader::new(
             std::fs::File::open(path)
                 .map_err(|e| CliError::Io(format!("cannot read {}: {e}", path.display())))?,
         )),
-        None => Box::new(std::io::BufReader::new(std::io::stdin())),
+        _ => Box::new(std::io::BufReader::new(std::io::stdin())),
     })
+}
+
+/// A line that holds only JSON's whitespace (space, tab, CR, LF), which
+/// `import` and `append` skip. Other blanks (a form feed, U+00A0, U+3000)
+/// are not JSON's, so a line of them is a malformed line, said as such.
+fn is_blank(line: &[u8]) -> bool {
+    line.iter()
+        .all(|b| matches!(b, b' ' | b'\t' | b'\r' | b'\n'))
 }
 
 fn read_lines(reader: Box<dyn BufRead>) -> Result<Vec<(usize, String)>, CliError> {
@@ -1393,7 +1405,7 @@ fn read_lines(reader: Box<dyn BufRead>) -> Result<Vec<(usize, String)>, CliError
         };
         let line = line
             .map_err(|e| CliError::Io(format!("cannot read line {} of the input: {e}", i + 1)))?;
-        if !line.trim().is_empty() {
+        if !is_blank(line.as_bytes()) {
             lines.push((i + 1, line));
         }
     }
@@ -1484,7 +1496,7 @@ impl InputLines {
                     })
                 }
             };
-            if !text.trim().is_empty() {
+            if !is_blank(text.as_bytes()) {
                 return Ok(Some((line, text.to_owned())));
             }
         }
@@ -1511,12 +1523,12 @@ impl InputLines {
     /// whatever its length, as a short one is).
     fn blank_to_end_of_line(&mut self, mut ended: bool) -> Result<bool, CliError> {
         let mut piece = std::mem::take(&mut self.buf);
-        let mut blank = piece.iter().all(u8::is_ascii_whitespace);
+        let mut blank = is_blank(&piece);
         while blank && !ended {
             piece.clear();
             let read = self.read_piece(&mut piece)?;
             ended = read == 0 || piece.last() == Some(&b'\n');
-            blank = piece.iter().all(u8::is_ascii_whitespace);
+            blank = is_blank(&piece);
         }
         self.buf = piece;
         Ok(blank)

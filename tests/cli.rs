@@ -1200,6 +1200,44 @@ fn text_a_session_holds_cannot_drive_the_terminal() {
 }
 
 #[test]
+fn dash_reads_stdin_and_only_json_whitespace_is_blank() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = dir.path().join("s.db").display().to_string();
+    // A non-UUID session is said before a store file is made.
+    let out = run(&url, &["append", "nope", "--expected-seq", "0"], Some(""));
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(!dir.path().join("s.db").exists());
+    let input = format!(
+        "{}\n \t\r\n\n{}\n",
+        with_session(r#"{"type":"session_started","mode":"agent"}"#),
+        with_session(r#"{"type":"prompt_submitted","text":"x"}"#)
+    );
+    let out = run(&url, &["import", "-"], Some(&input));
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("imported 2 events"),
+        "{}",
+        stdout(&out)
+    );
+    // A no-break space or a form feed is not JSON's whitespace: the line
+    // is malformed, not skipped.
+    for blank in ["\u{a0}", "\u{c}", "\u{3000}"] {
+        let line = format!("{blank}\n");
+        let out = run(
+            &url,
+            &["append", S, "--expected-seq", "2", "-"],
+            Some(&line),
+        );
+        assert_eq!(out.status.code(), Some(1), "{blank:?}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains("line 1: malformed JSON"),
+            "{}",
+            stderr(&out)
+        );
+    }
+}
+
+#[test]
 fn a_retry_that_respells_numbers_is_the_same_event() {
     let dir = tempfile::tempdir().unwrap();
     let url = dir.path().join("s.db").display().to_string();

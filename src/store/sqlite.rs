@@ -224,7 +224,7 @@ fn is_missing(e: &std::io::Error) -> bool {
 fn check_parent(path: &str) -> Result<()> {
     let parent = match std::path::Path::new(path).parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
-        _ => return Ok(()),
+        _ => std::path::Path::new("."),
     };
     match std::fs::metadata(parent) {
         Ok(meta) if !meta.is_dir() => Err(Error::NotAStore(format!(
@@ -235,9 +235,27 @@ fn check_parent(path: &str) -> Result<()> {
             "cannot create a session store at {path}: the directory {} does not exist",
             parent.display()
         ))),
-        // A directory, or one that cannot be looked at: the connection
-        // says what is wrong with it.
-        _ => Ok(()),
+        // A directory, or one that cannot be looked at: made there, as
+        // SQLite would make it, the file says whether it can be (SQLite
+        // would only say "unable to open database file").
+        _ => match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(path)
+        {
+            Ok(_) => {
+                let _ = std::fs::remove_file(path);
+                Ok(())
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+            Err(e) => Err(Error::Unavailable(format!(
+                "cannot create a session store at {path}: {e} (SQLite makes the file, and its -wal and -shm files, in {}, which must be writable by this user)",
+                match parent.as_os_str() == "." {
+                    true => "the current directory".to_owned(),
+                    false => parent.display().to_string(),
+                }
+            ))),
+        },
     }
 }
 
