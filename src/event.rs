@@ -707,7 +707,7 @@ fn payload<T: for<'de> Deserialize<'de>>(
     // bare serde error would leave out.
     serde_path_to_error::deserialize(Value::Object(map)).map_err(|e| {
         let path = e.path().to_string();
-        let msg = e.inner().to_string();
+        let msg = in_json_terms(&path, e.inner().to_string());
         let (rule, field) = if msg.starts_with("unknown field") {
             (Rule::UnknownField, msg.split('`').nth(1).map(str::to_owned))
         } else if msg.starts_with("missing field") {
@@ -723,6 +723,41 @@ fn payload<T: for<'de> Deserialize<'de>>(
         };
         ValidationError::new(rule, None, text).with_field_name(field)
     })
+}
+
+/// serde's words for a mistyped field said in JSON's (an array, an
+/// object, null), and what the two fields with a narrower type than JSON's
+/// must hold, instead of `invalid number` or `expected i64`.
+fn in_json_terms(field: &str, msg: String) -> String {
+    match field {
+        "tokens_before" if !msg.starts_with("unknown") => {
+            return format!(
+                "must be a whole number from {} to {}, or null",
+                i64::MIN,
+                i64::MAX
+            )
+        }
+        "status" if msg.starts_with("invalid type") => {
+            return "must be one of `success`, `error`, `interrupted`, `placeholder`".to_owned()
+        }
+        _ => {}
+    }
+    let mut msg = msg;
+    for (serde, json) in [
+        ("a sequence", "an array"),
+        ("sequence", "array"),
+        ("a map", "an object"),
+        ("map", "object"),
+        ("unit value", "null"),
+    ] {
+        msg = msg
+            .replace(
+                &format!("invalid type: {serde},"),
+                &format!("invalid type: {json},"),
+            )
+            .replace(&format!("expected {serde}"), &format!("expected {json}"));
+    }
+    msg
 }
 
 fn parse_body(type_value: Value, map: Map<String, Value>) -> Result<EventBody, ValidationError> {
@@ -930,6 +965,49 @@ mod tests {
             rule(&bad_time),
             (Rule::MistypedField, Some("recorded_at".into()))
         );
+    }
+
+    #[test]
+    fn a_mistyped_field_is_said_in_json_terms() {
+        for (rest, said) in [
+            (
+                r#""type":"compaction","summary":"s","tokens_before":1.0"#,
+                "must be a whole number from",
+            ),
+            (
+                r#""type":"compaction","summary":"s","tokens_before":"5""#,
+                "must be a whole number from",
+            ),
+            (
+                r#""type":"compaction","summary":"s","tokens_before":99999999999999999999"#,
+                "must be a whole number from",
+            ),
+            (
+                r#""type":"tool_result","call_id":"c","tool_name":"t","status":1"#,
+                "must be one of `success`, `error`",
+            ),
+            (
+                r#""type":"catalog_defined","mode":"a","deferred_tools":"x""#,
+                "expected an array",
+            ),
+            (
+                r#""type":"session_started","mode":"a","metadata":[1]"#,
+                "invalid type: array, expected an object",
+            ),
+            (
+                r#""type":"session_started","mode":null"#,
+                "invalid type: null, expected a string",
+            ),
+        ] {
+            let e = parse(&line(rest)).unwrap_err();
+            assert_eq!(e.rule, Rule::MistypedField, "{rest}");
+            assert!(e.message.contains(said), "{rest}: {}", e.message);
+            assert!(
+                !e.message.contains("i64") && !e.message.contains("sequence"),
+                "{}",
+                e.message
+            );
+        }
     }
 
     #[test]
