@@ -285,6 +285,7 @@ async fn postgres_restart_in_the_middle_of_a_load_loses_nothing() {
                 max_attempts: 400,
                 initial_backoff: Duration::from_millis(20),
                 max_backoff: Duration::from_millis(200),
+                max_unavailable: Duration::from_secs(120),
             };
             let mut ids = Vec::new();
             let mut retryable_errors = 0;
@@ -345,6 +346,7 @@ async fn postgres_restart_in_the_middle_of_a_load_loses_nothing() {
         max_attempts: 3,
         initial_backoff: Duration::from_millis(10),
         max_backoff: Duration::from_millis(20),
+        ..RetryPolicy::default()
     };
     let err = store
         .append_at_head(sessions[0], vec![prompt("after the end")], &policy)
@@ -497,4 +499,101 @@ fn postgres_tail_follow_outlives_a_server_restart() {
     let lines = reader.join().unwrap();
     assert_eq!(lines.len(), 2, "{lines:?}");
     assert!(lines[1].contains("after the restart"), "{lines:?}");
+}
+
+/// An append waiting for the counter's lock is cancelled (as a lock or
+/// statement timeout would end it): the connection must not go back to
+/// the pool inside the aborted transaction, where every later statement
+/// on it fails with "current transaction is aborted" until the server's
+/// idle-in-transaction timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_cancelled_wait_for_the_counter_leaves_no_aborted_connection() {
+    let Some(db) = common::postgres_db() else {
+        return;
+    };
+    let store = Arc::new(Store::open(&db.url).await.unwrap());
+    let session = Uuid::new_v4();
+    store.append(session, 0, vec![started()]).await.unwrap();
+    let holder = sqlx::PgPool::connect(&db.url).await.unwrap();
+    let mut lock = holder.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM event_position WHERE id = 1 FOR UPDATE")
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    // A new session: the group takes the lock (no optimistic path).
+    let waiting = {
+        let store = store.clone();
+        tokio::spawn(async move { store.append(Uuid::new_v4(), 0, vec![started()]).await })
+    };
+    let waiter = loop {
+        let pid: Option<i32> = sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+             AND query LIKE '%event_position%' AND pid <> pg_backend_pid()",
+        )
+        .fetch_optional(&holder)
+        .await
+        .unwrap();
+        if let Some(pid) = pid {
+            break pid;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    sqlx::query("SELECT pg_cancel_backend($1)")
+        .bind(waiter)
+        .execute(&holder)
+        .await
+        .unwrap();
+    let cancelled = waiting.await.unwrap();
+    assert!(cancelled.is_err(), "{cancelled:?}");
+    lock.rollback().await.unwrap();
+    // Every connection of the pool is fit for use again.
+    let mut seq = 1;
+    for i in 0..30 {
+        let r = store
+            .append(session, seq, vec![prompt(&format!("p{i}"))])
+            .await;
+        let r = r.unwrap_or_else(|e| panic!("append {i} after the cancel: {e}"));
+        seq = r.events.last().unwrap().seq;
+        store
+            .context(session, None)
+            .await
+            .unwrap_or_else(|e| panic!("read {i} after the cancel: {e}"));
+        let other = Uuid::new_v4();
+        store
+            .append(other, 0, vec![started()])
+            .await
+            .unwrap_or_else(|e| panic!("new session {i} after the cancel: {e}"));
+    }
+    let aborted: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction (aborted)'",
+    )
+    .fetch_one(&holder)
+    .await
+    .unwrap();
+    assert_eq!(aborted, 0);
+}
+
+/// With the server gone for good, an append that retries says so within
+/// about `max_unavailable` (and one more attempt's connection timeout),
+/// not after every attempt has waited out its own timeout (20 × 5 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_retries_give_up_on_a_server_that_stays_down_within_seconds() {
+    let Some(server) = own_server() else { return };
+    let store = Store::open(&server.url()).await.unwrap();
+    let session = Uuid::new_v4();
+    store.append(session, 0, vec![started()]).await.unwrap();
+    server.stop();
+    let start = Instant::now();
+    let r = store
+        .append_at_head(session, vec![prompt("after")], &RetryPolicy::default())
+        .await;
+    let took = start.elapsed();
+    match r {
+        Err(Error::RetriesExhausted { last, attempts, .. }) => {
+            assert!(matches!(*last, Error::Unavailable(_)), "{last}");
+            assert!(attempts < 20, "{attempts} attempts");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(took < Duration::from_secs(20), "gave up after {took:?}");
 }

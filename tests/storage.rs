@@ -668,6 +668,7 @@ both_backends!(
             max_attempts: 3,
             initial_backoff: std::time::Duration::from_millis(5),
             max_backoff: std::time::Duration::from_millis(10),
+            ..Default::default()
         };
         let outcome = store
             .append_at_head(s, vec![prompt("once"), prompt("only")], &policy)

@@ -214,12 +214,20 @@ impl PgBackend {
     }
 
     pub(crate) async fn begin_write(&self) -> Result<PgTx> {
-        // The transaction and the counter's lock in one round trip (one
-        // simple-protocol message); the counter's value is read later, by
-        // the group's read-ahead or when positions are reserved.
-        let tx = self
-            .pool
-            .begin_with("BEGIN; SELECT 1 FROM event_position WHERE id = 1 FOR UPDATE")
+        // The transaction, then the counter's lock; the counter's value is
+        // read later, by the group's read-ahead or when positions are
+        // reserved. Two round trips, not one: sent as one message
+        // (`begin_with("BEGIN; SELECT … FOR UPDATE")`), a lock that fails
+        // (lock or statement timeout, a cancel) leaves the server inside
+        // the aborted transaction while sqlx, which counts the transaction
+        // only once its `BEGIN` succeeded, sends no `ROLLBACK` and hands the
+        // connection back to the pool: every statement on it then failed
+        // until the server's idle-in-transaction timeout (a review's
+        // finding, tests/faults.rs). Begun apart, the transaction is
+        // sqlx's, and a failed lock rolls back with it.
+        let mut tx = self.pool.begin().await.map_err(Error::from_sqlx)?;
+        sqlx::query("SELECT 1 FROM event_position WHERE id = 1 FOR UPDATE")
+            .execute(&mut *tx)
             .await
             .map_err(Error::from_sqlx)?;
         Ok(PgTx::new(tx))
