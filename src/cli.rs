@@ -420,6 +420,19 @@ pub enum CliError {
     /// `bench` could not run.
     #[error("{0}")]
     Bench(#[from] crate::bench::BenchError),
+    /// A run of `import`'s lines that could not be stored (the storage
+    /// failed, not the lines).
+    #[error("lines {first}–{last} (session {session}) were not stored: {cause}")]
+    LinesNotStored {
+        /// The run's first line.
+        first: usize,
+        /// Its last line.
+        last: usize,
+        /// Their session.
+        session: Uuid,
+        /// Why.
+        cause: Error,
+    },
     /// `import` stopped at a bad line after storing the lines before it.
     #[error("{cause}; the {} before it {} stored{}", count(*written + *replayed, "event"), if *written + *replayed == 1 { "is" } else { "are" }, if *replayed > 0 { format!(" ({replayed} of them already were)") } else { String::new() })]
     ImportStopped {
@@ -444,6 +457,7 @@ impl CliError {
             CliError::Drift(_) => 5,
             CliError::OutputClosed => 0,
             CliError::ImportStopped { cause, .. } => cause.exit_code(),
+            CliError::LinesNotStored { cause, .. } => store_exit_code(cause),
             CliError::Bench(crate::bench::BenchError::Store(e)) => store_exit_code(e),
             CliError::Bench(_) => 4,
             _ => 1,
@@ -1711,7 +1725,14 @@ async fn flush(
             v.index = v.index.map(|_| bad);
             Err(at_line(Error::Invalid(v), &lines))
         }
-        Err(e) => Err(e.into()),
+        // The storage failed: the run's lines are named, so that the user
+        // knows where a re-run resumes.
+        Err(e) => Err(CliError::LinesNotStored {
+            first: batch[0].0,
+            last: batch[batch.len() - 1].0,
+            session,
+            cause: e,
+        }),
     }
 }
 

@@ -220,11 +220,20 @@ impl Error {
     /// [`Error::Unavailable`] (retryable), the rest [`Error::Database`].
     pub fn from_sqlx(e: sqlx::Error) -> Error {
         match &e {
-            sqlx::Error::Io(_)
-            | sqlx::Error::PoolTimedOut
-            | sqlx::Error::PoolClosed
-            | sqlx::Error::Tls(_)
-            | sqlx::Error::WorkerCrashed => Error::Unavailable(e.to_string()),
+            // sqlx's own words name its internals ("error communicating
+            // with database: expected to read 5 bytes…", "pool timed out
+            // while waiting for an open connection"): said as what happened.
+            sqlx::Error::Io(io) => Error::Unavailable(format!(
+                "the connection to the database failed or was cut off ({io})"
+            )),
+            sqlx::Error::PoolTimedOut => Error::Unavailable(
+                "no connection to the database was ready within the connection timeout (the database is down, unreachable or too busy)"
+                    .to_owned(),
+            ),
+            sqlx::Error::PoolClosed => {
+                Error::Unavailable("the store's connections are closed (it is shutting down)".to_owned())
+            }
+            sqlx::Error::Tls(_) | sqlx::Error::WorkerCrashed => Error::Unavailable(e.to_string()),
             sqlx::Error::Database(db)
                 if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() =>
             {
@@ -277,4 +286,38 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Rust's `\u{1}`.
 pub fn quoted(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_else(|_| format!("{s:?}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Driver failures are said as what happened, not in sqlx's words.
+    #[test]
+    fn a_lost_connection_is_said_in_a_sentence() {
+        let cut = std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            "expected to read 5 bytes, got 0 bytes at EOF",
+        );
+        for (e, said) in [
+            (
+                sqlx::Error::Io(cut),
+                "the connection to the database failed or was cut off",
+            ),
+            (
+                sqlx::Error::PoolTimedOut,
+                "no connection to the database was ready",
+            ),
+            (sqlx::Error::PoolClosed, "shutting down"),
+        ] {
+            let e = Error::from_sqlx(e);
+            assert!(e.is_retryable(), "{e}");
+            let text = e.to_string();
+            assert!(text.contains(said), "{text}");
+            assert!(
+                !text.contains("pool timed out") && !text.contains("communicating"),
+                "{text}"
+            );
+        }
+    }
 }

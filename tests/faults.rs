@@ -597,3 +597,40 @@ async fn postgres_retries_give_up_on_a_server_that_stays_down_within_seconds() {
     }
     assert!(took < Duration::from_secs(20), "gave up after {took:?}");
 }
+
+/// An import whose storage goes away names the lines it could not store
+/// (where a re-run resumes) beside the count of those it did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_an_import_cut_off_names_the_lines_not_stored() {
+    let Some(server) = own_server() else { return };
+    let store = Store::open(&server.url()).await.unwrap();
+    let session = Uuid::new_v4();
+    let mut lines = vec![format!(
+        r#"{{"session_id":"{session}","type":"session_started","mode":"a"}}"#
+    )];
+    for i in 1..1_000 {
+        lines.push(format!(
+            r#"{{"session_id":"{session}","type":"prompt_submitted","text":"p{i}"}}"#
+        ));
+    }
+    // The server stops once the first run of 500 lines is stored and the
+    // second is being read.
+    let input = lines.into_iter().enumerate().map(|(i, l)| {
+        if i == 700 {
+            server.stop();
+        }
+        Ok((i + 1, l))
+    });
+    let err = session_store::cli::import(&store, input, 1 << 20)
+        .await
+        .unwrap_err();
+    let said = err.to_string();
+    assert_eq!(err.exit_code(), 4, "{said}");
+    assert!(
+        said.starts_with(&format!(
+            "lines 501–1000 (session {session}) were not stored: "
+        )) && said.contains("storage unavailable")
+            && said.ends_with("the 500 events before it are stored"),
+        "{said}"
+    );
+}
