@@ -55,6 +55,7 @@ pub struct ExplainQuery {
         (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody),
         (status = 422, description = "`at_seq` or `at_prompt` out of range", body = ErrorBody),
+        (status = 503, description = "The database is unavailable, or the request timed out", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
@@ -152,7 +153,7 @@ const REFRESH_PAGES_AHEAD: usize = 2;
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody),
-        (status = 503, description = "The database is unavailable", body = ErrorBody),
+        (status = 503, description = "The database is unavailable, or the request timed out", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
@@ -204,14 +205,14 @@ pub(super) async fn refreshes(
         .into_response())
 }
 
-/// Narrowing shared by the `/v1/audit` queries.
-#[derive(Debug, Deserialize, IntoParams)]
+/// The query of the `/v1/audit` routes, each of which takes only some of
+/// these (the others are refused by name); each route's OpenAPI
+/// parameters list its own.
+#[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-#[into_params(parameter_in = Query)]
 pub struct AuditParams {
     /// Only events of this type (`/v1/audit/events`).
     #[serde(rename = "type")]
-    #[param(rename = "type")]
     event_type: Option<String>,
     /// Only this tool (`/v1/audit/changes`).
     tool: Option<String>,
@@ -261,13 +262,23 @@ impl AuditParams {
 #[utoipa::path(
     get,
     path = "/v1/audit/events",
-    params(AuditParams),
+    params(
+        ("type" = Option<String>, Query, description = "Only events of this type"),
+        ("from_position" = Option<i64>, Query, description = "Only events at this position or later"),
+        ("to_position" = Option<i64>, Query, description = "Only events at this position or earlier"),
+        ("session" = Option<Uuid>, Query, description = "Only this session"),
+        ("since" = Option<DateTime<Utc>>, Query, description = "Only rows recorded at or after this time (RFC 3339)"),
+        ("until" = Option<DateTime<Utc>>, Query, description = "Only rows recorded before this time (RFC 3339)"),
+        ("after" = Option<String>, Query, description = "The cursor of the previous page (`next_after`)"),
+        ("limit" = Option<i64>, Query, description = "Rows per page, 1 to 1000 (100 without it)"),
+    ),
     responses(
         (status = 200, body = EventPage),
         (status = 400, body = ErrorBody),
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),
         (status = 422, description = "A filter out of range", body = ErrorBody),
+        (status = 503, description = "The database is unavailable, or the request timed out", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
@@ -312,13 +323,22 @@ pub(super) async fn audit_events(
 #[utoipa::path(
     get,
     path = "/v1/audit/changes",
-    params(AuditParams),
+    params(
+        ("tool" = Option<String>, Query, description = "Only this tool"),
+        ("change" = Option<String>, Query, description = "`added` or `removed`"),
+        ("session" = Option<Uuid>, Query, description = "Only this session"),
+        ("since" = Option<DateTime<Utc>>, Query, description = "Only rows recorded at or after this time (RFC 3339)"),
+        ("until" = Option<DateTime<Utc>>, Query, description = "Only rows recorded before this time (RFC 3339)"),
+        ("after" = Option<String>, Query, description = "The cursor of the previous page (`next_after`)"),
+        ("limit" = Option<i64>, Query, description = "Rows per page, 1 to 1000 (100 without it)"),
+    ),
     responses(
         (status = 200, body = ChangePage),
         (status = 400, body = ErrorBody),
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),
         (status = 422, description = "A filter out of range", body = ErrorBody),
+        (status = 503, description = "The database is unavailable, or the request timed out", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
@@ -356,13 +376,21 @@ pub(super) async fn audit_changes(
 #[utoipa::path(
     get,
     path = "/v1/audit/anomalies",
-    params(AuditParams),
+    params(
+        ("kind" = String, Query, description = "unanswered_call, unknown_evidence_name or view_drift (view_drift takes neither `since` nor `until`)"),
+        ("session" = Option<Uuid>, Query, description = "Only this session"),
+        ("since" = Option<DateTime<Utc>>, Query, description = "Only rows recorded at or after this time (RFC 3339)"),
+        ("until" = Option<DateTime<Utc>>, Query, description = "Only rows recorded before this time (RFC 3339)"),
+        ("after" = Option<String>, Query, description = "The cursor of the previous page (`next_after`)"),
+        ("limit" = Option<i64>, Query, description = "Rows per page, 1 to 1000 (100 without it)"),
+    ),
     responses(
         (status = 200, body = AnomalyPage),
         (status = 400, body = ErrorBody),
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),
         (status = 422, description = "A filter out of range", body = ErrorBody),
+        (status = 503, description = "The database is unavailable, or the request timed out", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]

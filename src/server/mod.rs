@@ -788,6 +788,8 @@ pub struct HistoryPage {
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody),
+        (status = 422, description = "`limit` or `after_seq` out of range (`invalid`, naming it)", body = ErrorBody),
+        (status = 503, description = "The database is unavailable, or the request timed out", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
@@ -801,13 +803,17 @@ async fn history(
     let q = query(q)?;
     let after = q.after_seq.unwrap_or(0);
     if after < 0 {
-        return Err(ApiError::bad_request("`after_seq` must be ≥ 0"));
+        return Err(out_of_range(
+            "after_seq",
+            "`after_seq` must be ≥ 0".to_owned(),
+        ));
     }
     let limit = q.limit.unwrap_or(DEFAULT_PAGE);
     if !(1..=MAX_PAGE).contains(&limit) {
-        return Err(ApiError::bad_request(format!(
-            "`limit` must be between 1 and {MAX_PAGE}"
-        )));
+        return Err(out_of_range(
+            "limit",
+            format!("`limit` must be between 1 and {MAX_PAGE}, not {limit}"),
+        ));
     }
     // One more than asked tells whether another page exists.
     let mut events = server
@@ -850,6 +856,7 @@ pub struct AtSeqQuery {
         (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody),
         (status = 422, description = "`at_seq` out of range (`seq_out_of_range`)", body = ErrorBody),
+        (status = 503, description = "The database is unavailable, or the request timed out", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
@@ -878,6 +885,7 @@ async fn context(
         (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody),
         (status = 422, description = "`at_seq` out of range (`seq_out_of_range`)", body = ErrorBody),
+        (status = 503, description = "The database is unavailable, or the request timed out", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
@@ -905,6 +913,7 @@ async fn activations(
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody),
+        (status = 503, description = "The database is unavailable, or the request timed out", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
@@ -956,6 +965,8 @@ pub struct StreamQuery {
         (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody),
         (status = 422, description = "The cursor is past the latest event", body = ErrorBody),
+        (status = 503, description = "The database is unavailable, or the request timed out", body = ErrorBody),
+        (status = 422, description = "`after_seq` below 0 (`invalid`)", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
@@ -980,7 +991,10 @@ async fn stream(
         ),
     };
     if q.after_seq.is_some_and(|s| s < 0) {
-        return Err(ApiError::bad_request("`after_seq` must be ≥ 0"));
+        return Err(out_of_range(
+            "after_seq",
+            "`after_seq` must be ≥ 0".to_owned(),
+        ));
     }
     let store = &server.inner.store;
     let (mut state, announce) = match last_event_id.or(q.after_seq) {
@@ -1007,6 +1021,17 @@ async fn stream(
     Ok(Sse::new(ReceiverStream::new(rx))
         .keep_alive(KeepAlive::new().interval(KEEP_ALIVE))
         .into_response())
+}
+
+/// A query parameter that parsed but is out of its range: 422 `invalid`
+/// naming it, as the audit routes answer (docs/api.md: what does not parse
+/// is 400, what parses but is refused is 422).
+fn out_of_range(field: &'static str, message: String) -> ApiError {
+    ApiError::invalid(&crate::error::ValidationError::new(
+        Rule::MistypedField,
+        Some(field),
+        message,
+    ))
 }
 
 /// Events a stream's task may have sent ahead of what its client read.

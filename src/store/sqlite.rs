@@ -284,7 +284,7 @@ async fn check_file(url: &str, create: bool) -> Result<()> {
             return match create {
                 true => check_parent(path),
                 false => Err(Error::NotAStore(format!(
-                    "there is no session store at {path}: the file does not exist (import, append and migrate create one)"
+                    "there is no session store at {path}: the file does not exist (import, append, migrate and serve create one)"
                 ))),
             };
         }
@@ -296,8 +296,20 @@ async fn check_file(url: &str, create: bool) -> Result<()> {
             "{path} is a directory, not a session store file"
         )));
     }
+    // A command that only reads does not make a store of an empty file
+    // either: what it would answer ("session not found") would hide that
+    // the file is not the store the user meant, such as a copy of a
+    // running store's file made without its -wal file.
+    let empty = |what: &str| {
+        Error::NotAStore(format!(
+            "there is no session store in {path}: {what} (a copy of a store's file made without its -wal file looks like this: back up with sqlite3's .backup instead; import, append, migrate and serve make a store of it)"
+        ))
+    };
     if meta.len() == 0 {
-        return Ok(());
+        return match create {
+            true => Ok(()),
+            false => Err(empty("the file is empty")),
+        };
     }
     let options = SqliteConnectOptions::new()
         .filename(file)
@@ -339,6 +351,9 @@ async fn check_file(url: &str, create: bool) -> Result<()> {
             .await
             .map_err(not_sqlite)?;
     let _ = conn.close().await;
+    if tables.is_empty() && !create {
+        return Err(empty("the SQLite database holds no tables"));
+    }
     let foreign: Vec<&str> = tables
         .iter()
         .map(String::as_str)
@@ -1640,6 +1655,38 @@ pub(crate) fn decode_change(r: SqliteChange) -> Result<ChangeRow> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A command that only reads refuses a file with no store in it, empty
+    /// or a database without tables (a copy made without its -wal file),
+    /// rather than making a store of it and answering "not found"; one
+    /// that writes makes the store there.
+    #[tokio::test]
+    async fn a_read_refuses_an_empty_file_or_database() {
+        let dir = tempfile::tempdir().unwrap();
+        let empty = dir.path().join("empty.db").display().to_string();
+        std::fs::write(&empty, b"").unwrap();
+        let bare = dir.path().join("bare.db").display().to_string();
+        let mut conn = SqliteConnection::connect_with(
+            &SqliteConnectOptions::new()
+                .filename(&bare)
+                .create_if_missing(true),
+        )
+        .await
+        .unwrap();
+        sqlx::raw_sql("PRAGMA user_version = 1")
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        conn.close().await.unwrap();
+        assert!(std::fs::metadata(&bare).unwrap().len() > 0);
+        for (path, said) in [(&empty, "the file is empty"), (&bare, "holds no tables")] {
+            match check_file(path, false).await {
+                Err(Error::NotAStore(m)) => assert!(m.contains(said) && m.contains("-wal"), "{m}"),
+                other => panic!("{path}: {other:?}"),
+            }
+            check_file(path, true).await.unwrap();
+        }
+    }
 
     /// `check_file` looks at the file the driver opens, whatever the URL's
     /// options and encoding.
