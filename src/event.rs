@@ -328,10 +328,21 @@ fn decimal(text: &str) -> Option<(bool, String, i128)> {
         None => (rest, "0"),
     };
     let exponent = exponent.strip_prefix('+').unwrap_or(exponent);
-    if exponent.trim_start_matches('-').len() > 30 {
+    let (minus, magnitude) = match exponent.strip_prefix('-') {
+        Some(m) => (true, m),
+        None => (false, exponent),
+    };
+    let magnitude = match magnitude.trim_start_matches('0') {
+        "" if !magnitude.is_empty() => "0",
+        m => m,
+    };
+    if magnitude.len() > 30 {
         return None;
     }
-    let mut exponent: i128 = exponent.parse().ok()?;
+    let mut exponent: i128 = magnitude.parse().ok()?;
+    if minus {
+        exponent = -exponent;
+    }
     let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
     if int.is_empty() || !(int.bytes().chain(frac.bytes())).all(|b| b.is_ascii_digit()) {
         return None;
@@ -347,21 +358,26 @@ fn decimal(text: &str) -> Option<(bool, String, i128)> {
     }
 }
 
-/// The object key that serde_json, built with `arbitrary_precision` so
-/// that numbers keep the digits they were written with (§3), uses to carry
-/// a number through serde: an object with it as its first key parses as a
-/// number (or fails as one), so it cannot be stored as it was sent.
-pub const RESERVED_KEY: &str = "$serde_json::private::Number";
+/// The object keys serde_json uses to carry a number (built with
+/// `arbitrary_precision`, so that numbers keep the digits they were
+/// written with, §3) and a raw JSON text (`raw_value`, which a dependency
+/// turns on) through serde: an object with one as its first key parses as
+/// that number or text (or fails as one), so it cannot be stored as it was
+/// sent.
+pub const RESERVED_KEYS: [&str; 2] = [
+    "$serde_json::private::Number",
+    "$serde_json::private::RawValue",
+];
 
-/// Refuses a JSON text in which an object has [`RESERVED_KEY`] as a key,
+/// Refuses a JSON text in which an object has one of [`RESERVED_KEYS`] as a key,
 /// however it is spelled (`\u0024…`), naming the column (in bytes, from 1)
 /// where the key starts; to be run before the text is parsed, whose error
 /// would otherwise be a misleading one, or none with the object stored as
 /// a number. Text that is not JSON passes: the parser says what is wrong.
 pub fn check_reserved_key(text: &[u8]) -> Result<(), String> {
-    // Every spelling of the key holds its last word, or an escape.
+    // Every spelling of a key holds its last word, or an escape.
     let has = |needle: &[u8]| memchr::memmem::find(text, needle).is_some();
-    if !has(b"Number") && !has(b"\\u") {
+    if !has(b"Number") && !has(b"RawValue") && !has(b"\\u") {
         return Ok(());
     }
     let mut i = 0;
@@ -388,14 +404,19 @@ pub fn check_reserved_key(text: &[u8]) -> Result<(), String> {
         let after = text[i..]
             .iter()
             .find(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r'));
-        let reserved = match escaped {
-            false => &literal[1..literal.len() - 1] == RESERVED_KEY.as_bytes(),
-            true => serde_json::from_slice::<String>(literal).is_ok_and(|k| k == RESERVED_KEY),
+        if after != Some(&b':') {
+            continue;
+        }
+        let key = match escaped {
+            false => std::str::from_utf8(&literal[1..literal.len() - 1])
+                .ok()
+                .map(str::to_owned),
+            true => serde_json::from_slice::<String>(literal).ok(),
         };
-        if after == Some(&b':') && reserved {
+        if let Some(key) = key.filter(|k| RESERVED_KEYS.contains(&k.as_str())) {
             return Err(format!(
                 "the object key {} at column {} cannot be stored: the JSON library the store is built on reserves it",
-                crate::error::quoted(RESERVED_KEY),
+                crate::error::quoted(&key),
                 start + 1
             ));
         }
@@ -1021,6 +1042,8 @@ mod tests {
             ("0.5", "5e-1"),
             ("-0", "0"),
             ("-0.0", "0e5"),
+            ("10", "1e0000000000000000000000000000001"),
+            ("0.1", "1E-00000000000000000000000000000000001"),
             (
                 "123456789012345678901234567890",
                 "1.2345678901234567890123456789e29",
@@ -1058,6 +1081,8 @@ mod tests {
             r#"{"$serde_json::private::Number":"12"}"#,
             r#"{"k": {"$serde_json::private::Number" : "1", "x": 2}}"#,
             r#"{"x": 2, "\u0024serde_json::private::Numbe\u0072": "1"}"#,
+            r#"{"$serde_json::private::RawValue": "[1,2]"}"#,
+            r#"[{"$serde_json::private::RawValu\u0065": "{\"$serde_json::private::Number\":\"12\"}"}]"#,
         ] {
             let l = line(&format!(
                 r#""type":"tool_call","call_id":"c","tool_name":"t","input":{payload}"#

@@ -965,6 +965,93 @@ both_backends!(shutdown_ends_open_streams, |url: String| async move {
         .expect("the stream ended");
 });
 
+both_backends!(
+    shutdown_cuts_a_long_refresh_history_off,
+    |url: String| async move {
+        use session_store::{EventBody, NewEvent};
+        let store = open(&url, StoreOptions::default()).await;
+        let id = Uuid::new_v4();
+        let tools: Vec<String> = (0..20).map(|i| format!("deferred_tool_{i:02}")).collect();
+        let mut batch = vec![
+            NewEvent::new(EventBody::SessionStarted {
+                mode: "m".into(),
+                metadata: None,
+            }),
+            NewEvent::new(EventBody::CatalogDefined {
+                mode: "m".into(),
+                deferred_tools: tools.clone(),
+            }),
+            NewEvent::new(EventBody::ToolCall {
+                call_id: "c".into(),
+                tool_name: "ToolSearch".into(),
+                input: serde_json::json!({}),
+            }),
+            NewEvent::new(EventBody::ToolResult {
+                call_id: "c".into(),
+                tool_name: "ToolSearch".into(),
+                status: session_store::ToolStatus::Success,
+                output: None,
+                added_tool_names: Some(tools),
+            }),
+        ];
+        // About 12 MB of refresh points, every one listing 20 tools.
+        let mut seq = 0;
+        for round in 0..12 {
+            batch.extend((0..1_000).map(|i| {
+                NewEvent::new(EventBody::PromptSubmitted {
+                    text: format!("p{round}.{i}"),
+                })
+            }));
+            seq = store
+                .append(id, seq, std::mem::take(&mut batch))
+                .await
+                .unwrap()
+                .events
+                .last()
+                .unwrap()
+                .seq;
+        }
+        let server = Server::new(store.clone(), ServerConfig::default());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let serving = tokio::spawn(server.serve(listener, async move {
+            let _ = stopped.await;
+        }));
+        let mut response = reqwest::get(format!("http://{addr}/v1/sessions/{id}/refreshes"))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        // A client that reads, slowly: the whole answer would take it
+        // minutes.
+        let reader = tokio::spawn(async move {
+            let mut read = 0;
+            while let Ok(Some(chunk)) = response.chunk().await {
+                read += chunk.len();
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+            read
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        stop.send(()).unwrap();
+        // Within the default 30 s grace, well before the answer's end.
+        tokio::time::timeout(Duration::from_secs(10), serving)
+            .await
+            .expect("a refresh history does not hold shutdown up")
+            .unwrap()
+            .unwrap();
+        let read = tokio::time::timeout(Duration::from_secs(10), reader)
+            .await
+            .expect("the body ended")
+            .unwrap();
+        eprintln!("{read} bytes read before the cut");
+        assert!(
+            read < 6_000_000,
+            "{read} bytes read: the body was not cut off"
+        );
+    }
+);
+
 #[test]
 fn committed_openapi_document_matches_the_code() {
     let committed =

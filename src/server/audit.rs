@@ -13,7 +13,6 @@ use axum::Json;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tracing::warn;
 use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
@@ -132,6 +131,35 @@ impl RefreshListWriter {
     }
 }
 
+/// A streamed body that ends in an error as soon as `cut` completes,
+/// whatever is still queued: the error makes hyper abort the response, so
+/// the client sees a cut-off body, never a shorter one that looks whole.
+struct CutOff {
+    rx: mpsc::Receiver<Result<Vec<u8>, crate::error::Error>>,
+    cut: Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>>,
+}
+
+impl tokio_stream::Stream for CutOff {
+    type Item = Result<Vec<u8>, crate::error::Error>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        use std::task::Poll;
+        let Some(cut) = self.cut.as_mut() else {
+            return Poll::Ready(None);
+        };
+        if cut.as_mut().poll(cx).is_ready() {
+            self.cut = None;
+            return Poll::Ready(Some(Err(crate::error::Error::Unavailable(
+                "the server is shutting down".to_owned(),
+            ))));
+        }
+        self.rx.poll_recv(cx)
+    }
+}
+
 /// Pages of the body [`refreshes`] may have ready ahead of its client.
 const REFRESH_PAGES_AHEAD: usize = 2;
 
@@ -183,7 +211,7 @@ pub(super) async fn refreshes(
                     }
                 }
             }
-            // The client gone, the pass ends.
+            // The client gone (or the body cut off), the pass ends.
             if tx.send(Ok(out.take())).await.is_err() {
                 return;
             }
@@ -198,9 +226,16 @@ pub(super) async fn refreshes(
         }
         let _ = tx.send(Ok(out.finish())).await;
     });
+    // Shutdown cuts the body off, as it ends event streams, pages already
+    // made included: a long answer to a slow reader must not hold the
+    // server up to its grace.
+    let mut shutdown = server.inner.shutdown.subscribe();
+    let cut = Box::pin(async move {
+        let _ = shutdown.wait_for(|s| *s).await;
+    });
     Ok((
         [(header::CONTENT_TYPE, "application/json")],
-        Body::from_stream(ReceiverStream::new(rx)),
+        Body::from_stream(CutOff { rx, cut: Some(cut) }),
     )
         .into_response())
 }

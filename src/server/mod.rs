@@ -964,9 +964,8 @@ pub struct StreamQuery {
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody),
-        (status = 422, description = "The cursor is past the latest event", body = ErrorBody),
+        (status = 422, description = "The cursor is past the latest event, or `after_seq` is below 0 (`invalid`)", body = ErrorBody),
         (status = 503, description = "The database is unavailable, or the request timed out", body = ErrorBody),
-        (status = 422, description = "`after_seq` below 0 (`invalid`)", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]

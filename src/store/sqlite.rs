@@ -218,6 +218,15 @@ fn is_missing(e: &std::io::Error) -> bool {
     )
 }
 
+/// A name beside `path` that no other process uses: this process's id and
+/// a random part.
+fn probe_path(path: &str) -> String {
+    static PROBE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let suffix =
+        PROBE.get_or_init(|| format!("{}-{}", std::process::id(), Uuid::new_v4().simple()));
+    format!("{path}.probe-{suffix}")
+}
+
 /// Where a new store file would go: a missing directory is the caller's
 /// mistake (exit 1), said as such, not the "unable to open database file"
 /// of a storage outage.
@@ -235,16 +244,18 @@ fn check_parent(path: &str) -> Result<()> {
             "cannot create a session store at {path}: the directory {} does not exist",
             parent.display()
         ))),
-        // A directory, or one that cannot be looked at: made there, as
-        // SQLite would make it, the file says whether it can be (SQLite
-        // would only say "unable to open database file").
+        // A directory, or one that cannot be looked at: a file made there
+        // under a name of this process's own says whether SQLite could
+        // make the store (SQLite would only say "unable to open database
+        // file"). Never the store's own path: another process may be
+        // creating the store there at this moment.
         _ => match std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
-            .open(path)
+            .open(probe_path(path))
         {
             Ok(_) => {
-                let _ = std::fs::remove_file(path);
+                let _ = std::fs::remove_file(probe_path(path));
                 Ok(())
             }
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
@@ -284,7 +295,7 @@ async fn check_file(url: &str, create: bool) -> Result<()> {
             return match create {
                 true => check_parent(path),
                 false => Err(Error::NotAStore(format!(
-                    "there is no session store at {path}: the file does not exist (import, append, migrate and serve create one)"
+                    "there is no session store at {path}: the file does not exist (import, append, migrate, serve and tail --follow create one)"
                 ))),
             };
         }
@@ -302,7 +313,7 @@ async fn check_file(url: &str, create: bool) -> Result<()> {
     // running store's file made without its -wal file.
     let empty = |what: &str| {
         Error::NotAStore(format!(
-            "there is no session store in {path}: {what} (a copy of a store's file made without its -wal file looks like this: back up with sqlite3's .backup instead; import, append, migrate and serve make a store of it)"
+            "there is no session store in {path}: {what} (another process may be creating one there this moment; or it is a copy of a store's file made without its -wal file, which looks like this: back up with sqlite3's .backup instead; import, append, migrate, serve and tail --follow make a store of it)"
         ))
     };
     if meta.len() == 0 {
