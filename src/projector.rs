@@ -46,6 +46,11 @@ pub struct SessionState {
     /// The effective transcript rows, in seq order (§5).
     pub rows: Vec<StoredEvent>,
     pub(crate) calls: HashMap<String, CallInfo>,
+    /// Every name with evidence in `rows` and its evidence seq, kept as
+    /// rows come and recomputed only when a compaction drops rows: each
+    /// refresh point reads it instead of scanning the window, which made a
+    /// long session without compactions quadratic to append.
+    evidence: BTreeMap<String, i64>,
 }
 
 /// The state of a session at its latest refresh point (SEMANTICS §8), as the
@@ -146,6 +151,7 @@ impl SessionState {
             refresh_seq: 0,
             rows: Vec::new(),
             calls: HashMap::new(),
+            evidence: BTreeMap::new(),
         }
     }
 
@@ -161,8 +167,22 @@ impl SessionState {
     /// Applies one accepted event.
     pub fn apply(&mut self, event: &StoredEvent) {
         if self.fold_in(event) {
-            self.rows.push(event.clone());
+            self.push_row(event.clone());
         }
+    }
+
+    /// Adds a row of the window and its evidence (§7). Rows come in seq
+    /// order, so a name's last insert is its largest seq.
+    fn push_row(&mut self, row: StoredEvent) {
+        for name in row.body.evidence() {
+            match self.evidence.get_mut(name) {
+                Some(seq) => *seq = row.seq,
+                None => {
+                    self.evidence.insert(name.to_owned(), row.seq);
+                }
+            }
+        }
+        self.rows.push(row);
     }
 
     /// [`SessionState::apply`] for an event the caller no longer needs: a
@@ -170,7 +190,7 @@ impl SessionState {
     /// carry outputs of a few KB).
     pub fn apply_owned(&mut self, event: StoredEvent) {
         if self.fold_in(&event) {
-            self.rows.push(event);
+            self.push_row(event);
         }
     }
 
@@ -204,7 +224,7 @@ impl SessionState {
     pub fn apply_shed(&mut self, mut event: StoredEvent) {
         if self.fold_in(&event) {
             shed(&mut event.body);
-            self.rows.push(event);
+            self.push_row(event);
         }
     }
 
@@ -247,6 +267,13 @@ impl SessionState {
                     .map(|r| r.seq)
                     .unwrap_or(event.seq + 1);
                 self.rows.drain(..keep_from);
+                // Evidence of the dropped rows no longer counts (§7).
+                self.evidence.clear();
+                for row in &self.rows {
+                    for name in row.body.evidence() {
+                        self.evidence.insert(name.to_owned(), row.seq);
+                    }
+                }
                 self.compaction = Some((summary.clone(), event.seq));
                 false
             }
@@ -295,7 +322,6 @@ impl SessionState {
 
     /// The materialized view of this state (meaningful at a refresh point).
     pub fn view(&self) -> View {
-        let evidence = self.evidence();
         View {
             session_id: self.session_id,
             refresh_seq: self.seq,
@@ -303,11 +329,8 @@ impl SessionState {
             window_start: self.window_start,
             compaction: self.compaction.clone(),
             catalogs: self.catalogs.clone(),
-            active: self.admitted(&evidence),
-            evidence: evidence
-                .into_iter()
-                .map(|(n, s)| (n.to_owned(), s))
-                .collect(),
+            active: self.activation_set(),
+            evidence: self.evidence.clone(),
         }
     }
 
@@ -321,32 +344,19 @@ impl SessionState {
 
     /// Every name with evidence in the effective context and its evidence
     /// seq, whether or not the catalog admits it.
-    pub fn evidence(&self) -> BTreeMap<&str, i64> {
-        let mut evidence = BTreeMap::new();
-        for row in &self.rows {
-            for name in row.body.evidence() {
-                // Rows are in seq order, so the last insert is the largest.
-                evidence.insert(name, row.seq);
-            }
-        }
-        evidence
+    pub fn evidence(&self) -> &BTreeMap<String, i64> {
+        &self.evidence
     }
 
-    /// The deferred activation set (§7), sorted by name in byte order.
+    /// The deferred activation set (§7), sorted by name in byte order: the
+    /// names with evidence that the current catalog admits.
     pub fn activation_set(&self) -> Vec<Activation> {
-        self.admitted(&self.evidence())
-    }
-
-    /// The names of `evidence` that the current catalog admits: the
-    /// activation set, given the evidence (which [`SessionState::view`]
-    /// also keeps, so it folds the window once for both).
-    fn admitted(&self, evidence: &BTreeMap<&str, i64>) -> Vec<Activation> {
         let catalog: HashSet<&str> = self.current_catalog().iter().map(String::as_str).collect();
-        evidence
+        self.evidence
             .iter()
-            .filter(|(name, _)| catalog.contains(*name))
+            .filter(|(name, _)| catalog.contains(name.as_str()))
             .map(|(name, evidence_seq)| Activation {
-                name: (*name).to_owned(),
+                name: name.clone(),
                 evidence_seq: *evidence_seq,
             })
             .collect()
