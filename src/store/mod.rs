@@ -1591,10 +1591,15 @@ async fn prefetch_calls<T: LogTx>(
     events: &[NewEvent],
 ) -> Result<()> {
     let mut wanted: Vec<String> = Vec::new();
+    // Asked once each; a set, not `wanted.contains`, which made a batch
+    // of n calls cost n² string comparisons (a 100 000-event pi import
+    // spent two thirds of its time there).
+    let mut asked: HashSet<String> = HashSet::new();
     // A call id holding U+0000 is never stored (validation refuses it),
     // and PostgreSQL would fail the read, with the group, on it.
     let mut add = |id: &String, state: &SessionState| {
-        if !id.contains('\0') && !state.calls.contains_key(id) && !wanted.contains(id) {
+        if !id.contains('\0') && !state.calls.contains_key(id) && !asked.contains(id) {
+            asked.insert(id.clone());
             wanted.push(id.clone());
         }
     };
