@@ -1820,9 +1820,15 @@ async fn import_pi_once(
     // file's end.
     for (s, p) in stored.iter().zip(&session.events) {
         if Some(s.event_id) != p.event.event_id || !s.body.same_content(&p.event.body) {
-            return Err(different(
-                s.seq,
-                format!(
+            let what = match Some(s.event_id) == p.event.event_id {
+                // The same entry, edited since it was imported.
+                true => format!(
+                    "stored {} {} differs in content from what line {} gives",
+                    s.body.type_name(),
+                    s.event_id,
+                    p.line
+                ),
+                false => format!(
                     "stored {} {}, but line {} gives {} {}",
                     s.body.type_name(),
                     s.event_id,
@@ -1830,7 +1836,8 @@ async fn import_pi_once(
                     p.event.body.type_name(),
                     p.event.event_id.unwrap_or_default()
                 ),
-            ));
+            };
+            return Err(different(s.seq, what));
         }
     }
     if stored.len() > session.events.len() {

@@ -114,7 +114,12 @@ struct Entry {
     parent: Option<String>,
     kind: String,
     time: Option<DateTime<Utc>>,
+    /// The entry's other fields: read again from its line (`text`, an index
+    /// into the file's lines) only when the entry is on the path and is
+    /// converted, and dropped after, so that a large file's entries are
+    /// not all held as parsed JSON at once.
     fields: Map<String, Value>,
+    text: usize,
 }
 
 /// Reads a pi session file (non-blank lines with their 1-based numbers)
@@ -134,7 +139,7 @@ pub fn convert(lines: &[(usize, String)]) -> Result<PiSession, PiError> {
 
     let mut entries: Vec<Entry> = Vec::new();
     let mut by_id: HashMap<String, usize> = HashMap::new();
-    for (n, text) in rest {
+    for (k, (n, text)) in rest.enumerate() {
         let mut fields = parse_object(*n, text)?;
         let kind = match fields.remove("type") {
             Some(Value::String(s)) => s,
@@ -234,7 +239,9 @@ pub fn convert(lines: &[(usize, String)]) -> Result<PiSession, PiError> {
             parent,
             kind,
             time,
-            fields,
+            fields: Map::new(),
+            // The header is line 0 of `lines`.
+            text: k + 1,
         });
     }
 
@@ -269,7 +276,10 @@ pub fn convert(lines: &[(usize, String)]) -> Result<PiSession, PiError> {
         },
     });
     for (pos, &i) in path.iter().enumerate() {
+        let (n, text) = &lines[entries[i].text];
+        entries[i].fields = parse_object(*n, text)?;
         builder.entry(pos, &entries[i], &entries, &by_id, header.version)?;
+        entries[i].fields = Map::new();
     }
     Ok(PiSession {
         session_id,
@@ -979,6 +989,19 @@ fn content_text(line: usize, content: Option<&Value>, field: &str) -> Result<Str
         Some(Value::Array(blocks)) => {
             let mut parts = Vec::new();
             for (i, block) in blocks.iter().enumerate() {
+                // A block of a type pi may add later is passed over; one
+                // that is not an object is no block at all, and skipping
+                // it silently could leave an empty prompt.
+                if !block.is_object() {
+                    return Err(PiError::new(
+                        line,
+                        Some(&format!("{field}[{i}]")),
+                        format!(
+                            "a content block must be an object, found {}",
+                            kind_of(block)
+                        ),
+                    ));
+                }
                 match block.get("type").and_then(Value::as_str) {
                     Some("text") => match block.get("text") {
                         // An empty block adds no line of its own.

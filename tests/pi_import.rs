@@ -432,6 +432,62 @@ fn a_session_holding_another_branch_of_the_file_is_left_unchanged() {
 }
 
 #[test]
+fn an_entry_edited_since_its_import_is_named_as_edited() {
+    for (backend, db) in backends() {
+        let summary = import(&db.url, &fixture("tools"));
+        let session = session_of(&summary);
+        let before = feed(&db.url);
+        // The first user message's text changed in place.
+        let full = std::fs::read_to_string(fixture("tools")).unwrap();
+        let edited = full.replacen(
+            "Open an issue for the failing build",
+            "Open an issue for the broken build",
+            1,
+        );
+        assert_ne!(edited, full);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("edited.jsonl");
+        std::fs::write(&path, edited).unwrap();
+        let out = run(
+            &db.url,
+            &["import", "--format", "pi", path.to_str().unwrap()],
+        );
+        assert_eq!(out.status.code(), Some(1), "{backend}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains(&format!("session {session} already holds events"))
+                && stderr(&out).contains("differs in content from what line 2 gives"),
+            "{backend}: {}",
+            stderr(&out)
+        );
+        assert_eq!(feed(&db.url), before, "{backend}");
+    }
+}
+
+#[test]
+fn a_content_block_that_is_not_an_object_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = dir.path().join("s.db").display().to_string();
+    let path = dir.path().join("f.jsonl");
+    std::fs::write(
+        &path,
+        concat!(
+            r#"{"type":"session","version":3,"id":"x1","timestamp":"2025-06-01T10:00:00Z","cwd":"/p"}"#,
+            "\n",
+            r#"{"type":"message","id":"e1","parentId":null,"message":{"role":"user","content":["hello",{"type":"file","name":"a.pdf"}]}}"#,
+            "\n"
+        ),
+    )
+    .unwrap();
+    let out = run(&url, &["import", "--format", "pi", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("line 2") && stderr(&out).contains("message.content[0]"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
 fn a_bad_file_fails_naming_line_and_field_and_changes_nothing() {
     // (file, line, text the message must contain)
     let cases = [
