@@ -422,7 +422,10 @@ pub enum CliError {
     Bench(#[from] crate::bench::BenchError),
     /// A run of `import`'s lines that could not be stored (the storage
     /// failed, not the lines).
-    #[error("lines {first}–{last} (session {session}) were not stored: {cause}")]
+    // Not "were not stored": the last attempt's commit may have gone
+    // through unseen. A re-run is safe for lines with an event_id (they
+    // are answered from the log) and may store again those without one.
+    #[error("lines {first}–{last} (session {session}) could not be confirmed stored: {cause}")]
     LinesNotStored {
         /// The run's first line.
         first: usize,

@@ -628,7 +628,7 @@ async fn postgres_an_import_cut_off_names_the_lines_not_stored() {
     assert_eq!(err.exit_code(), 4, "{said}");
     assert!(
         said.starts_with(&format!(
-            "lines 501–1000 (session {session}) were not stored: "
+            "lines 501–1000 (session {session}) could not be confirmed stored: "
         )) && said.contains("storage unavailable")
             && said.ends_with("the 500 events before it are stored"),
         "{said}"
