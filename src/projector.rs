@@ -47,9 +47,11 @@ pub struct SessionState {
     pub rows: Vec<StoredEvent>,
     pub(crate) calls: HashMap<String, CallInfo>,
     /// Every name with evidence in `rows` and its evidence seq, kept as
-    /// rows come and recomputed only when a compaction drops rows: each
-    /// refresh point reads it instead of scanning the window, which made a
-    /// long session without compactions quadratic to append.
+    /// rows come and recomputed from the remaining rows at each compaction
+    /// (the only place rows leave): each refresh point reads it instead of
+    /// scanning the window, which made a long session without compactions
+    /// quadratic to append. Private, and `rows` is changed only through
+    /// this type's methods, which keep the two in step.
     evidence: BTreeMap<String, i64>,
 }
 

@@ -102,3 +102,34 @@ fn generated_logs_exercise_every_event_type() {
         "{kept_compactions} compactions keep rows: {seen:?}"
     );
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    /// The evidence a state keeps as rows come (and rebuilds at a
+    /// compaction) is, after every event, what a scan of its window gives
+    /// (§7: each name's largest effective evidence seq), for states folded
+    /// whole, shed row by row, or shed at once.
+    #[test]
+    fn kept_evidence_equals_a_scan_of_the_window(seed in any::<u64>(), len in 1usize..120) {
+        let session = Uuid::new_v4();
+        let events = valid_log(seed, session, len);
+        let mut whole = SessionState::empty(session);
+        let mut shed = SessionState::empty(session);
+        for e in &events {
+            whole.apply(e);
+            shed.apply_shed(e.clone());
+            let mut scan = std::collections::BTreeMap::new();
+            for row in &whole.rows {
+                for name in row.body.evidence() {
+                    scan.insert(name.to_owned(), row.seq);
+                }
+            }
+            prop_assert_eq!(whole.evidence(), &scan, "at seq {}", e.seq);
+            prop_assert_eq!(shed.evidence(), &scan, "shed, at seq {}", e.seq);
+            let mut at_once = whole.clone();
+            at_once.shed_payloads();
+            prop_assert_eq!(at_once.activation_set(), whole.activation_set());
+        }
+    }
+}
