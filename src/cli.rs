@@ -763,7 +763,7 @@ async fn run_on(
         } => {
             let lines = read_lines(input(file.as_ref())?)?;
             let session = crate::pi::convert(&lines)?;
-            let summary = import_pi(store, &session).await?;
+            let summary = import_pi(store, &session, max_bytes).await?;
             let dropped = match session.off_path {
                 0 => String::new(),
                 1 => "; 1 pi entry on another branch dropped".to_owned(),
@@ -1766,15 +1766,16 @@ async fn append_at_head(
 pub async fn import_pi(
     store: &Store,
     session: &crate::pi::PiSession,
+    max_bytes: usize,
 ) -> Result<ImportSummary, CliError> {
     // Another import of the same file (or of a longer one) may append
-    // between the read of the session and this append: the append then
+    // between the read of the session and an append: the append then
     // conflicts, or finds part of its batch stored, and is judged again
     // against what the other one wrote.
     let mut attempts = 0;
     loop {
         attempts += 1;
-        match import_pi_once(store, session).await {
+        match import_pi_once(store, session, max_bytes).await {
             Err(PiAttempt::Raced(_)) if attempts < 5 => {
                 tracing::debug!(session = %session.session_id, attempts, "pi import raced another writer; judged again");
             }
@@ -1798,20 +1799,19 @@ impl From<Error> for PiAttempt {
     }
 }
 
+/// Events a pi import appends at once. The whole file is judged before
+/// the first run is written, so a run is refused only by a race or by
+/// storage; one batch of the whole path held every event of a large file
+/// in the store's judging at once (600 MB for 100 000 entries).
+const PI_RUN: usize = 1_000;
+
 async fn import_pi_once(
     store: &Store,
     session: &crate::pi::PiSession,
+    max_bytes: usize,
 ) -> Result<ImportSummary, PiAttempt> {
     let id = session.session_id;
     let head = store.head_seq(id).await?;
-    let mut stored = Vec::new();
-    while (stored.len() as i64) < head {
-        let page = store.history(id, stored.len() as i64, 1_000).await?;
-        if page.is_empty() {
-            break;
-        }
-        stored.extend(page);
-    }
     let different = |seq: i64, what: String| {
         PiAttempt::Failed(CliError::Input(format!(
             "session {id} already holds events this file does not produce (seq {seq}: {what}); \
@@ -1819,79 +1819,132 @@ async fn import_pi_once(
              and is left unchanged"
         )))
     };
-    // The first seq that differs: in the events both have, then past the
-    // file's end.
-    for (s, p) in stored.iter().zip(&session.events) {
-        if Some(s.event_id) != p.event.event_id || !s.body.same_content(&p.event.body) {
-            let what = match Some(s.event_id) == p.event.event_id {
-                // The same entry, edited since it was imported.
-                true => format!(
-                    "stored {} {} differs in content from what line {} gives",
-                    s.body.type_name(),
-                    s.event_id,
-                    p.line
-                ),
-                false => format!(
-                    "stored {} {}, but line {} gives {} {}",
-                    s.body.type_name(),
-                    s.event_id,
-                    p.line,
-                    p.event.body.type_name(),
-                    p.event.event_id.unwrap_or_default()
-                ),
+    // The first seq that differs, read a page at a time: in the events
+    // both have, then past the file's end.
+    let mut stored = 0;
+    while (stored as i64) < head {
+        let page = store.history(id, stored as i64, 1_000).await?;
+        let Some(last) = page.last() else { break };
+        let last = last.seq as usize;
+        for s in &page {
+            let Some(p) = session.events.get(s.seq as usize - 1) else {
+                return Err(different(
+                    s.seq,
+                    format!(
+                        "the session goes on past the file's {} events",
+                        session.events.len()
+                    ),
+                ));
             };
-            return Err(different(s.seq, what));
+            if Some(s.event_id) != p.event.event_id || !s.body.same_content(&p.event.body) {
+                let what = match Some(s.event_id) == p.event.event_id {
+                    // The same entry, edited since it was imported.
+                    true => format!(
+                        "stored {} {} differs in content from what line {} gives",
+                        s.body.type_name(),
+                        s.event_id,
+                        p.line
+                    ),
+                    false => format!(
+                        "stored {} {}, but line {} gives {} {}",
+                        s.body.type_name(),
+                        s.event_id,
+                        p.line,
+                        p.event.body.type_name(),
+                        p.event.event_id.unwrap_or_default()
+                    ),
+                };
+                return Err(different(s.seq, what));
+            }
         }
+        stored = last;
     }
-    if stored.len() > session.events.len() {
-        let extra = &stored[session.events.len()];
-        return Err(different(
-            extra.seq,
-            format!(
-                "the session goes on past the file's {} events",
-                session.events.len()
-            ),
-        ));
-    }
-    let rest = &session.events[stored.len()..];
+    let rest = &session.events[stored..];
     let mut summary = ImportSummary {
         written: 0,
-        replayed: stored.len(),
+        replayed: stored,
         sessions: 1,
     };
     if rest.is_empty() {
         return Ok(summary);
     }
-    let events = rest.iter().map(|e| e.event.clone()).collect();
-    let outcome = store.append(id, head, events).await.map_err(|e| match e {
-        Error::Conflict { .. } => PiAttempt::Raced(e.into()),
-        Error::Invalid(v) if v.rule == Rule::PartlyStoredBatch => {
-            PiAttempt::Raced(Error::Invalid(v).into())
+    // All or nothing as far as the file goes: judged whole, as the store
+    // would judge it as one batch, before the first run is written.
+    prejudge(session, stored, max_bytes)
+        .map_err(|v| PiAttempt::Failed(pi_refusal(Error::Invalid(v), rest)))?;
+    let mut at = stored as i64;
+    for run in rest.chunks(PI_RUN) {
+        let events = run.iter().map(|e| e.event.clone()).collect();
+        let outcome = store.append(id, at, events).await.map_err(|e| match e {
+            Error::Conflict { .. } => PiAttempt::Raced(e.into()),
+            Error::Invalid(v) if v.rule == Rule::PartlyStoredBatch => {
+                PiAttempt::Raced(Error::Invalid(v).into())
+            }
+            e @ Error::Invalid(_) => PiAttempt::Failed(pi_refusal(e, run)),
+            other => other.into(),
+        })?;
+        at += run.len() as i64;
+        if outcome.replayed {
+            summary.replayed += outcome.events.len();
+        } else {
+            summary.written += outcome.events.len();
         }
-        Error::Invalid(mut v) => {
-            PiAttempt::Failed(match v.index.take().and_then(|i| rest.get(i)) {
-                Some(at) => CliError::Pi(crate::pi::PiError {
-                    line: at.line,
-                    field: v.field.as_deref().map(|f| pi_field(f, &at.event.body)),
-                    message: match &at.entry_id {
-                        Some(entry) => {
-                            format!("pi entry {entry:?}: {} (rule {})", v.message, v.rule)
-                        }
-                        None => format!("the session header: {} (rule {})", v.message, v.rule),
-                    },
-                }),
-                None => Error::Invalid(v).into(),
-            })
-        }
-        other => other.into(),
-    })?;
-    if outcome.replayed {
-        summary.replayed += outcome.events.len();
-    } else {
-        summary.written += outcome.events.len();
     }
     info!(session = %id, written = summary.written, replayed = summary.replayed, "pi import done");
     Ok(summary)
+}
+
+/// Judges the file's events after the first `stored` (which the session
+/// already holds, as compared) as the store judges a batch (§4: size,
+/// time, each event against the session as it stands before it), without
+/// writing. The state keeps the window's rows without their texts.
+fn prejudge(
+    session: &crate::pi::PiSession,
+    stored: usize,
+    max_bytes: usize,
+) -> std::result::Result<(), ValidationError> {
+    let mut state = crate::projector::SessionState::empty(session.session_id);
+    let now = chrono::Utc::now();
+    for (i, p) in session.events.iter().enumerate() {
+        let e = &p.event;
+        if let Some(k) = i.checked_sub(stored) {
+            crate::validate::check_size(e.body.to_json_text().len(), max_bytes)
+                .and_then(|()| match &e.recorded_at {
+                    Some(t) => crate::validate::check_recorded_at(t),
+                    None => Ok(()),
+                })
+                .and_then(|()| crate::validate::check_event(&state, &e.body))
+                .map_err(|v| v.at_index(k))?;
+        }
+        state.apply_shed(crate::event::StoredEvent {
+            session_id: session.session_id,
+            seq: i as i64 + 1,
+            event_id: e.event_id.unwrap_or_default(),
+            position: 0,
+            recorded_at: e.recorded_at.unwrap_or(now),
+            body: e.body.clone(),
+        });
+    }
+    Ok(())
+}
+
+/// A store's refusal of one of `events`, said with the pi line, entry and
+/// field it came from.
+fn pi_refusal(e: Error, events: &[crate::pi::PiEvent]) -> CliError {
+    let Error::Invalid(mut v) = e else {
+        return e.into();
+    };
+    match v.index.take().and_then(|i| events.get(i)) {
+        Some(at) => CliError::Pi(crate::pi::PiError {
+            line: at.line,
+            field: v.field.as_deref().map(|f| pi_field(f, &at.event.body)),
+            message: match &at.entry_id {
+                Some(entry) => format!("pi entry {entry:?}: {} (rule {})", v.message, v.rule),
+                None => format!("the session header: {} (rule {})", v.message, v.rule),
+            },
+        }),
+        None => Error::Invalid(v).into(),
+    }
 }
 
 /// The pi field that a store field of `body` was made from.

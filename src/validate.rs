@@ -167,6 +167,21 @@ pub fn check_shape(body: &EventBody) -> Result<(), ValidationError> {
     }
 }
 
+/// Refuses an event whose JSON text (`payload_len` bytes) is over the
+/// store's limit (§4).
+pub fn check_size(payload_len: usize, max_event_bytes: usize) -> Result<(), ValidationError> {
+    match payload_len > max_event_bytes {
+        true => Err(ValidationError::new(
+            Rule::TooLarge,
+            None,
+            format!(
+                "the event is {payload_len} bytes of JSON, over the limit of {max_event_bytes} bytes"
+            ),
+        )),
+        false => Ok(()),
+    }
+}
+
 /// Judges `body` as the next event of the session in `state` (§4).
 pub fn check_event(state: &SessionState, body: &EventBody) -> Result<(), ValidationError> {
     check_shape(body)?;

@@ -431,6 +431,81 @@ fn a_session_holding_another_branch_of_the_file_is_left_unchanged() {
     }
 }
 
+/// A pi file of `turns` user/assistant turns, the user text of turn `big`
+/// (if any) `big_len` bytes long.
+fn long_file(turns: usize, big: Option<usize>, big_len: usize) -> String {
+    let mut out = String::from(
+        r#"{"type":"session","version":3,"id":"long-1","timestamp":"2025-06-01T10:00:00Z","cwd":"/p"}"#,
+    );
+    out.push('\n');
+    let mut parent = "null".to_owned();
+    for t in 0..turns {
+        let text = match big == Some(t) {
+            true => "x".repeat(big_len),
+            false => format!("turn {t}"),
+        };
+        let (u, a) = (format!("u{t}"), format!("a{t}"));
+        out.push_str(&format!(
+            r#"{{"type":"message","id":"{u}","parentId":{parent},"message":{{"role":"user","content":"{text}"}}}}"#
+        ));
+        out.push('\n');
+        out.push_str(&format!(
+            r#"{{"type":"message","id":"{a}","parentId":"{u}","message":{{"role":"assistant","content":[{{"type":"text","text":"ok {t}"}}],"stopReason":"stop"}}}}"#
+        ));
+        out.push('\n');
+        parent = format!("\"{a}\"");
+    }
+    out
+}
+
+#[test]
+fn a_long_file_is_judged_whole_before_its_runs_are_written() {
+    for (backend, db) in backends() {
+        let dir = tempfile::tempdir().unwrap();
+        // 2 401 events, written in runs of 1 000; the prompt of turn
+        // 1 149 (line 2 300, in the third run) is over the limit, so
+        // nothing is written.
+        assert!(run(&db.url, &["migrate"]).status.success());
+        let bad = dir.path().join("bad.jsonl");
+        std::fs::write(&bad, long_file(1_200, Some(1_149), 3_000)).unwrap();
+        let before = feed(&db.url);
+        let out = run(
+            &db.url,
+            &[
+                "--max-event-bytes",
+                "2000",
+                "import",
+                "--format",
+                "pi",
+                bad.to_str().unwrap(),
+            ],
+        );
+        assert_eq!(out.status.code(), Some(1), "{backend}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains("line 2300") && stderr(&out).contains("over the limit of 2000"),
+            "{backend}: {}",
+            stderr(&out)
+        );
+        assert_eq!(feed(&db.url), before, "{backend}: nothing written");
+        // The file without it imports whole, in three runs, and again as
+        // nothing new.
+        let good = dir.path().join("good.jsonl");
+        std::fs::write(&good, long_file(1_200, None, 0)).unwrap();
+        let summary = import(&db.url, good.to_str().unwrap());
+        assert!(
+            summary.starts_with("imported 2401 events"),
+            "{backend}: {summary}"
+        );
+        let session = session_of(&summary);
+        assert_eq!(history(&db.url, &session).len(), 2_401, "{backend}");
+        let again = import(&db.url, good.to_str().unwrap());
+        assert!(
+            again.contains("(2401 already stored)"),
+            "{backend}: {again}"
+        );
+    }
+}
+
 #[test]
 fn an_entry_edited_since_its_import_is_named_as_edited() {
     for (backend, db) in backends() {

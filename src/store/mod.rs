@@ -1392,19 +1392,8 @@ async fn judge_and_write<T: LogTx>(
     let last_refresh = events.iter().rposition(|e| e.body.is_refresh_point());
     for (i, e) in events.iter().enumerate() {
         let payload = e.body.to_json_text();
-        if payload.len() > options.max_event_bytes {
-            return Err(ValidationError::new(
-                Rule::TooLarge,
-                None,
-                format!(
-                    "the event is {} bytes of JSON, over the limit of {} bytes",
-                    payload.len(),
-                    options.max_event_bytes
-                ),
-            )
-            .at_index(i)
-            .into());
-        }
+        crate::validate::check_size(payload.len(), options.max_event_bytes)
+            .map_err(|err| err.at_index(i))?;
         if let Some(t) = &e.recorded_at {
             check_recorded_at(t).map_err(|err| err.at_index(i))?;
         }
