@@ -149,7 +149,7 @@ impl std::error::Error for ValidationError {}
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// Input that breaks the contract; nothing was written.
-    #[error("{0}")]
+    #[error(transparent)]
     Invalid(#[from] ValidationError),
     /// The expected seq is not the session's current seq; nothing was written.
     #[error("conflict on session {session_id}: expected seq {expected}, but the session is at seq {current}")]
@@ -184,8 +184,9 @@ pub enum Error {
         /// How many prompts the session has.
         prompts: i64,
     },
-    /// The database URL is not one the store understands.
-    #[error("unsupported database URL {0:?}: use a file path, sqlite://PATH or postgres://…")]
+    /// The database URL is not one the store understands. The URL is said
+    /// without its password ([`redact_url`]).
+    #[error("unsupported database URL {:?}: use a file path, sqlite://PATH or postgres://…", redact_url(.0))]
     BadUrl(String),
     /// `--database` names no session store: a SQLite file that does not
     /// exist (for a command that only reads), or a database of something
@@ -210,7 +211,8 @@ pub enum Error {
         session_id: Uuid,
         /// How many appends were tried.
         attempts: u32,
-        /// The last failure.
+        /// The last failure. Said in this error's message, so not also
+        /// its `source()` (a report printing the chain would say it twice).
         last: Box<Error>,
     },
 }
@@ -281,6 +283,24 @@ impl Error {
 /// Shorthand for store results.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// `url` with the password of its `user:password@` part replaced by `***`,
+/// for messages and logs: a URL the store cannot use is still the
+/// operator's secret.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) => match userinfo.split_once(':') {
+            Some((user, _)) => format!("{scheme}://{user}:***@{host}{tail}"),
+            None => url.to_owned(),
+        },
+        None => url.to_owned(),
+    }
+}
+
 /// `s` as a JSON string, for messages that quote what a caller sent: a
 /// control character shows as `\u0001`, as in the JSON it came in, not in
 /// Rust's `\u{1}`.
@@ -319,5 +339,61 @@ mod tests {
                 "{text}"
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod redaction_and_chain_tests {
+    use super::*;
+
+    #[test]
+    fn a_url_is_said_without_its_password() {
+        for (url, said) in [
+            (
+                "postgres://app:s3cr3t@db:5432/x?sslmode=require",
+                "postgres://app:***@db:5432/x?sslmode=require",
+            ),
+            (
+                "postgresql://app:p%40ss@[::1]/x",
+                "postgresql://app:***@[::1]/x",
+            ),
+            ("postgres://app@db/x", "postgres://app@db/x"),
+            ("mysql://u:pw@h/db", "mysql://u:***@h/db"),
+            ("/var/lib/s.db", "/var/lib/s.db"),
+        ] {
+            assert_eq!(redact_url(url), said);
+        }
+        let e = Error::BadUrl("mysql://root:hunter2@h/db".to_owned()).to_string();
+        assert!(!e.contains("hunter2") && e.contains("root:***@h"), "{e}");
+    }
+
+    #[test]
+    fn error_chains_say_each_cause_once() {
+        // What `anyhow`'s `{:#}` prints: each message once.
+        use std::error::Error as _;
+        let v = ValidationError::new(
+            Rule::NotStarted,
+            Some("type"),
+            "the first event must be session_started",
+        );
+        let invalid = Error::Invalid(v);
+        assert!(
+            invalid.source().is_none(),
+            "transparent: the message is said once"
+        );
+        assert_eq!(invalid.to_string().matches("session_started").count(), 1);
+        let exhausted = Error::RetriesExhausted {
+            session_id: Uuid::nil(),
+            attempts: 3,
+            last: Box::new(Error::Unavailable("down".to_owned())),
+        };
+        assert!(exhausted.source().is_none());
+        assert_eq!(
+            exhausted
+                .to_string()
+                .matches("storage unavailable: down")
+                .count(),
+            1
+        );
     }
 }

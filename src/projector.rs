@@ -22,7 +22,9 @@ pub(crate) struct CallInfo {
     pub(crate) result_seq: Option<i64>,
 }
 
-/// A session folded up to [`SessionState::seq`].
+/// A session folded up to [`SessionState::seq`]. Its fields are public for
+/// reading; change a state only through its methods, which keep the
+/// evidence it derives from `rows` in step.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SessionState {
     /// The session.
@@ -50,8 +52,9 @@ pub struct SessionState {
     /// rows come and recomputed from the remaining rows at each compaction
     /// (the only place rows leave): each refresh point reads it instead of
     /// scanning the window, which made a long session without compactions
-    /// quadratic to append. Private, and `rows` is changed only through
-    /// this type's methods, which keep the two in step.
+    /// quadratic to append. The methods keep the two in step; the public
+    /// fields are for reading (a state whose `rows` are changed by hand
+    /// answers from stale evidence).
     evidence: BTreeMap<String, i64>,
 }
 

@@ -936,11 +936,16 @@ both_backends!(
             other.append(s, 1, vec![prompt("wake up")]).await.unwrap();
         };
         let started_at = std::time::Instant::now();
+        // `Duration::MAX`, "wait forever", once overflowed an Instant and
+        // panicked; bounded here by the test's own timeout.
         let (head, ()) = tokio::join!(
-            watches[0].wait_past(s, 1, std::time::Duration::from_secs(10)),
+            tokio::time::timeout(
+                std::time::Duration::from_secs(10),
+                watches[0].wait_past(s, 1, std::time::Duration::MAX)
+            ),
             appending
         );
-        assert_eq!(head.unwrap(), Some(2));
+        assert_eq!(head.expect("woken").unwrap(), Some(2));
         assert!(
             started_at.elapsed() < std::time::Duration::from_secs(3),
             "woken after {:?}",

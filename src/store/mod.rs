@@ -723,7 +723,8 @@ impl Store {
     }
 
     /// [`Store::open`] with explicit options.
-    #[instrument(skip(options), fields(backend = ?backend_kind(url)))]
+    // Not the URL: it may carry the database password.
+    #[instrument(skip(url, options), fields(backend = ?backend_kind(url)))]
     pub async fn open_with(url: &str, options: StoreOptions) -> Result<Store> {
         if let Some((scheme, _)) = url.split_once("://") {
             if !["sqlite", "postgres", "postgresql"].contains(&scheme) {

@@ -49,8 +49,10 @@ impl Dialect for Postgres {
     }
 }
 
-/// What every audit query can be narrowed by.
-#[derive(Clone, Debug, Default, PartialEq)]
+/// What every audit query can be narrowed by. The default narrows by
+/// nothing and pages by [`DEFAULT_PAGE`] rows (a `limit` of 0 would be
+/// refused).
+#[derive(Clone, Debug, PartialEq)]
 pub struct Scope {
     /// Only this tenant's sessions (`None`: every tenant, for the CLI).
     pub tenant: Option<String>,
@@ -62,6 +64,21 @@ pub struct Scope {
     pub until: Option<DateTime<Utc>>,
     /// Rows per page (1 to [`MAX_PAGE`]).
     pub limit: i64,
+}
+
+/// Rows per page of an audit query that does not say.
+pub const DEFAULT_PAGE: i64 = 100;
+
+impl Default for Scope {
+    fn default() -> Scope {
+        Scope {
+            tenant: None,
+            session: None,
+            since: None,
+            until: None,
+            limit: DEFAULT_PAGE,
+        }
+    }
 }
 
 /// `audit events`: events in global order.
@@ -744,4 +761,22 @@ impl Store {
 enum Sql {
     Sqlite(QueryBuilder<'static, Sqlite>),
     Postgres(QueryBuilder<'static, Postgres>),
+}
+
+#[cfg(test)]
+mod default_tests {
+    use super::*;
+
+    /// A default query asks for a first page of the default size, not for
+    /// a refused `limit` of 0.
+    #[tokio::test]
+    async fn a_default_query_is_a_valid_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = dir.path().join("s.db").display().to_string();
+        let store = crate::Store::open(&url).await.unwrap();
+        assert_eq!(Scope::default().limit, DEFAULT_PAGE);
+        let page = store.audit_events(&EventQuery::default()).await.unwrap();
+        assert!(page.events.is_empty());
+        store.close().await;
+    }
 }

@@ -314,17 +314,24 @@ impl Watch<'_> {
         seq: i64,
         timeout: Duration,
     ) -> Result<Option<i64>> {
-        let deadline = tokio::time::Instant::now() + timeout;
+        // A timeout past what an Instant can hold (`Duration::MAX`, "wait
+        // forever") waits forever instead of overflowing.
+        let deadline = tokio::time::Instant::now().checked_add(timeout);
         loop {
             let head = self.store.head_seq(session_id).await?;
             if head > seq {
                 return Ok(Some(head));
             }
-            if tokio::time::timeout_at(deadline, self.waker.wait())
-                .await
-                .is_err()
-            {
-                return Ok(None);
+            match deadline {
+                Some(deadline) => {
+                    if tokio::time::timeout_at(deadline, self.waker.wait())
+                        .await
+                        .is_err()
+                    {
+                        return Ok(None);
+                    }
+                }
+                None => self.waker.wait().await,
             }
         }
     }
