@@ -164,7 +164,8 @@ pub enum Error {
     /// The session has no events.
     #[error("session {0} not found")]
     SessionNotFound(Uuid),
-    /// `--at-seq` outside 1..=latest.
+    /// A seq to answer at (`at_seq`, the CLI's `--at-seq`) outside
+    /// 1..=latest.
     #[error("seq {seq} is out of range for session {session_id}, whose events are 1 to {latest}")]
     SeqOutOfRange {
         /// The session.
@@ -174,7 +175,8 @@ pub enum Error {
         /// The session's latest seq.
         latest: i64,
     },
-    /// `--at-prompt` outside 1..=the session's prompts.
+    /// A prompt to answer at (`At::Prompt`, the CLI's `--at-prompt`) outside
+    /// 1..=the session's prompts.
     #[error("there is no prompt {prompt} in session {session_id}: prompts are numbered from 1 and it has {prompts}")]
     PromptOutOfRange {
         /// The session.
@@ -188,7 +190,8 @@ pub enum Error {
     /// without its password ([`redact_url`]).
     #[error("unsupported database URL {:?}: use a file path, sqlite://PATH or postgres://…", redact_url(.0))]
     BadUrl(String),
-    /// `--database` names no session store: a SQLite file that does not
+    /// The database (the URL given to [`crate::Store::open`], the CLI's
+    /// `--database`) names no session store: a SQLite file that does not
     /// exist (for a command that only reads), or a database of something
     /// else, which the store refuses to change.
     #[error("{0}")]
@@ -273,8 +276,10 @@ impl Error {
 }
 
 impl Error {
-    /// Whether retrying the same append may succeed: a conflict (re-read the
-    /// head) or storage that is unavailable for now.
+    /// Whether trying again may succeed: a conflict (after re-reading the
+    /// head and judging the batch again: the same `expected_seq` conflicts
+    /// again) or storage that is unavailable for now (the same batch, with
+    /// its event ids).
     pub fn is_retryable(&self) -> bool {
         matches!(self, Error::Conflict { .. } | Error::Unavailable(_))
     }

@@ -1126,3 +1126,29 @@ both_backends!(
         assert!(matches!(err, Error::SeqOutOfRange { .. }), "{err:?}");
     }
 );
+
+/// A closed store's appends fail at once: `append_at_head` does not spend
+/// its retry budget on storage that cannot come back.
+#[tokio::test]
+async fn an_append_on_a_closed_store_is_not_retried() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = dir.path().join("s.db").display().to_string();
+    let store = Store::open(&url).await.unwrap();
+    let s = Uuid::new_v4();
+    store.append(s, 0, vec![started()]).await.unwrap();
+    store.close().await;
+    let at = std::time::Instant::now();
+    let r = store
+        .append_at_head(
+            s,
+            vec![prompt("late")],
+            &session_store::RetryPolicy::default(),
+        )
+        .await;
+    assert!(r.is_err(), "{r:?}");
+    assert!(
+        at.elapsed() < std::time::Duration::from_secs(2),
+        "gave up after {:?}",
+        at.elapsed()
+    );
+}

@@ -531,7 +531,7 @@ impl ViewRow {
     pub(crate) fn to_view(&self) -> Result<View> {
         let corrupt = |what: &str, e: serde_json::Error| {
             Error::Corrupt(format!(
-                "the stored view of session {} has unreadable {what} ({e}); the log itself is not affected, and `session-store rebuild {}` recomputes the view from it",
+                "the stored view of session {} has unreadable {what} ({e}); the log itself is not affected, and a rebuild (`Store::rebuild`, or `session-store rebuild {}`) recomputes the view from it",
                 self.session_id, self.session_id
             ))
         };
@@ -614,6 +614,9 @@ pub struct Store {
     writer: std::sync::Arc<tokio::sync::Mutex<()>>,
     /// The one source of wake-ups of every waiter (`subscribe`).
     pulse: std::sync::Arc<subscribe::Pulse>,
+    /// Set by [`Store::close`]: an append retrying unavailable storage
+    /// gives up at once, as no retry can succeed.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 /// The per-session states of this process (see the module docs), shared
@@ -747,6 +750,7 @@ impl Store {
             queue: Mutex::new(Vec::new()),
             writer: Default::default(),
             pulse: Default::default(),
+            closed: Default::default(),
         };
         store.migrate().await?;
         store.backfill_chains().await?;
@@ -783,6 +787,12 @@ impl Store {
     /// Appends `events` to `session_id` atomically, if the session is at
     /// `expected_seq` (0 for a new session). See the module docs for the
     /// order in which a batch is judged.
+    ///
+    /// Give events ids ([`NewEvent::with_id`]) when you may retry: an
+    /// [`Error::Unavailable`] can come after the commit (its reply lost),
+    /// and a future dropped after its group took it commits anyway. The
+    /// same batch sent again then answers with the stored seqs (§2); a
+    /// batch without ids would be appended a second time, or conflict.
     pub async fn append(
         &self,
         session_id: Uuid,
@@ -928,7 +938,8 @@ impl Store {
                     if e.is_retryable()
                         && attempts < policy.max_attempts.max(1)
                         && !(matches!(e, Error::Unavailable(_))
-                            && start.elapsed() >= policy.max_unavailable) =>
+                            && (start.elapsed() >= policy.max_unavailable
+                                || self.closed.load(std::sync::atomic::Ordering::SeqCst))) =>
                 {
                     debug!(session = %session_id, attempts, cause = %e, "append retried");
                     sleep_jittered(&mut backoff, policy).await;
@@ -1193,8 +1204,11 @@ impl Store {
         self.states.remove(session_id);
     }
 
-    /// Closes the connection pool, waiting for connections to finish.
+    /// Closes the connection pool, waiting for connections to finish. Every
+    /// call after it fails with [`Error::Unavailable`];
+    /// [`Store::append_at_head`] does not retry it.
     pub async fn close(&self) {
+        self.closed.store(true, std::sync::atomic::Ordering::SeqCst);
         match &self.backend {
             Backend::Sqlite(b) => b.close().await,
             Backend::Postgres(b) => b.close().await,
