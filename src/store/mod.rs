@@ -55,7 +55,8 @@ use crate::validate::{check_event, check_recorded_at, DEFAULT_MAX_EVENT_BYTES};
 /// How many events one read fetches when folding a log.
 const FOLD_PAGE: i64 = 2_000;
 
-/// How many session states the write cache keeps before it starts over.
+/// How many session states the cache keeps; past it the least recently
+/// used is dropped.
 const STATE_CACHE_SESSIONS: usize = 256;
 
 /// How many groups of appends (one commit each, see `group`) this process
@@ -622,7 +623,24 @@ pub struct Store {
 /// The per-session states of this process (see the module docs), shared
 /// with the group commit task.
 #[derive(Clone, Default)]
-pub(crate) struct StateCache(std::sync::Arc<Mutex<HashMap<Uuid, Warm>>>);
+pub(crate) struct StateCache(std::sync::Arc<Mutex<Lru>>);
+
+/// The cached states and when each was last used: a full cache makes room
+/// by dropping the least recently used one (it used to drop them all, so a
+/// server with more active sessions than the cache holds read every one
+/// cold).
+#[derive(Default)]
+pub(crate) struct Lru {
+    states: HashMap<Uuid, (Warm, u64)>,
+    tick: u64,
+}
+
+impl Lru {
+    fn next_tick(&mut self) -> u64 {
+        self.tick += 1;
+        self.tick
+    }
+}
 
 /// A cached session state and, when an append of this process left it,
 /// what that append knew under the write lock.
@@ -651,15 +669,21 @@ pub(crate) struct Known {
 impl StateCache {
     /// A copy of the session's state (for reads).
     fn get(&self, session_id: Uuid) -> Option<SessionState> {
-        self.0
-            .lock()
-            .ok()
-            .and_then(|m| m.get(&session_id).map(|w| w.state.clone()))
+        let mut m = self.0.lock().ok()?;
+        let tick = m.next_tick();
+        m.states.get_mut(&session_id).map(|(w, used)| {
+            *used = tick;
+            w.state.clone()
+        })
     }
 
     /// The session's state, taken out (for an append, under the write lock).
     pub(crate) fn take(&self, session_id: Uuid) -> Option<Warm> {
-        self.0.lock().ok().and_then(|mut m| m.remove(&session_id))
+        self.0
+            .lock()
+            .ok()
+            .and_then(|mut m| m.states.remove(&session_id))
+            .map(|(w, _)| w)
     }
 
     /// Caches a state, keeping only the calls of its effective window (a
@@ -672,10 +696,19 @@ impl StateCache {
     pub(crate) fn put(&self, mut warm: Warm) {
         warm.state.forget_calls_outside_window();
         if let Ok(mut m) = self.0.lock() {
-            if m.len() >= STATE_CACHE_SESSIONS && !m.contains_key(&warm.state.session_id) {
-                m.clear();
+            let id = warm.state.session_id;
+            if m.states.len() >= STATE_CACHE_SESSIONS && !m.states.contains_key(&id) {
+                let oldest = m
+                    .states
+                    .iter()
+                    .min_by_key(|(_, (_, used))| *used)
+                    .map(|(k, _)| *k);
+                if let Some(oldest) = oldest {
+                    m.states.remove(&oldest);
+                }
             }
-            m.insert(warm.state.session_id, warm);
+            let tick = m.next_tick();
+            m.states.insert(id, (warm, tick));
         }
     }
 
@@ -683,9 +716,10 @@ impl StateCache {
     /// seq is kept (the read saw the same head), anything older dropped.
     fn put_read(&self, state: SessionState) {
         let known = self.0.lock().ok().and_then(|mut m| {
-            m.get_mut(&state.session_id)
-                .filter(|w| w.state.seq == state.seq)
-                .and_then(|w| w.known.take())
+            m.states
+                .get_mut(&state.session_id)
+                .filter(|(w, _)| w.state.seq == state.seq)
+                .and_then(|(w, _)| w.known.take())
         });
         self.put(Warm { state, known });
     }
@@ -696,7 +730,7 @@ impl StateCache {
 
     fn clear(&self) {
         if let Ok(mut m) = self.0.lock() {
-            m.clear();
+            m.states.clear();
         }
     }
 }
@@ -2019,4 +2053,37 @@ async fn sleep_jittered(backoff: &mut std::time::Duration, policy: &RetryPolicy)
     let jitter = Uuid::new_v4().as_u64_pair().0 % (nanos / 2 + 1);
     tokio::time::sleep(std::time::Duration::from_nanos(nanos / 2 + jitter)).await;
     *backoff = (*backoff * 2).min(policy.max_backoff);
+}
+
+#[cfg(test)]
+mod cache_tests {
+    use super::*;
+
+    /// A full cache drops the state used longest ago, not every state.
+    #[test]
+    fn a_full_cache_drops_the_least_recently_used_state() {
+        let cache = StateCache::default();
+        let ids: Vec<Uuid> = (0..STATE_CACHE_SESSIONS).map(|_| Uuid::new_v4()).collect();
+        for id in &ids {
+            cache.put(Warm {
+                state: SessionState::empty(*id),
+                known: None,
+            });
+        }
+        // The first is read again: the second is now the oldest.
+        assert!(cache.get(ids[0]).is_some());
+        let newcomer = Uuid::new_v4();
+        cache.put(Warm {
+            state: SessionState::empty(newcomer),
+            known: None,
+        });
+        assert!(cache.get(newcomer).is_some());
+        assert!(cache.get(ids[0]).is_some(), "the recently read state stays");
+        assert!(
+            cache.get(ids[1]).is_none(),
+            "the least recently used is dropped"
+        );
+        let kept = ids.iter().filter(|id| cache.get(**id).is_some()).count();
+        assert_eq!(kept, STATE_CACHE_SESSIONS - 1);
+    }
 }
