@@ -1908,12 +1908,8 @@ fn prejudge(
     for (i, p) in session.events.iter().enumerate() {
         let e = &p.event;
         if let Some(k) = i.checked_sub(stored) {
-            crate::validate::check_size(e.body.to_json_text().len(), max_bytes)
-                .and_then(|()| match &e.recorded_at {
-                    Some(t) => crate::validate::check_recorded_at(t),
-                    None => Ok(()),
-                })
-                .and_then(|()| crate::validate::check_event(&state, &e.body))
+            let len = e.body.to_json_text().len();
+            crate::validate::check_new_event(&state, e, len, max_bytes)
                 .map_err(|v| v.at_index(k))?;
         }
         state.apply_shed(crate::event::StoredEvent {

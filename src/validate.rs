@@ -182,6 +182,23 @@ pub fn check_size(payload_len: usize, max_event_bytes: usize) -> Result<(), Vali
     }
 }
 
+/// Judges `event`, whose JSON text is `payload_len` bytes, as the next
+/// event of the session in `state`, as an append does (§4): its size, its
+/// time, then the rules. The one judgement of an event, shared by the
+/// store and by a whole file judged before it is written (pi import).
+pub fn check_new_event(
+    state: &SessionState,
+    event: &crate::event::NewEvent,
+    payload_len: usize,
+    max_event_bytes: usize,
+) -> Result<(), ValidationError> {
+    check_size(payload_len, max_event_bytes)?;
+    if let Some(t) = &event.recorded_at {
+        check_recorded_at(t)?;
+    }
+    check_event(state, &event.body)
+}
+
 /// Judges `body` as the next event of the session in `state` (§4).
 pub fn check_event(state: &SessionState, body: &EventBody) -> Result<(), ValidationError> {
     check_shape(body)?;

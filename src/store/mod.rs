@@ -50,7 +50,7 @@ use uuid::Uuid;
 use crate::error::{Error, Result, Rule, ValidationError};
 use crate::event::{EventBody, NewEvent, StoredEvent};
 use crate::projector::{Activation, Activations, Context, SessionState, View};
-use crate::validate::{check_event, check_recorded_at, DEFAULT_MAX_EVENT_BYTES};
+use crate::validate::DEFAULT_MAX_EVENT_BYTES;
 
 /// How many events one read fetches when folding a log.
 const FOLD_PAGE: i64 = 2_000;
@@ -1441,12 +1441,8 @@ async fn judge_and_write<T: LogTx>(
     let last_refresh = events.iter().rposition(|e| e.body.is_refresh_point());
     for (i, e) in events.iter().enumerate() {
         let payload = e.body.to_json_text();
-        crate::validate::check_size(payload.len(), options.max_event_bytes)
+        crate::validate::check_new_event(&state, e, payload.len(), options.max_event_bytes)
             .map_err(|err| err.at_index(i))?;
-        if let Some(t) = &e.recorded_at {
-            check_recorded_at(t).map_err(|err| err.at_index(i))?;
-        }
-        check_event(&state, &e.body).map_err(|err| err.at_index(i))?;
         let stored = StoredEvent {
             session_id,
             seq: head + 1 + i as i64,
