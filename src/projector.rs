@@ -142,6 +142,19 @@ fn shed(body: &mut EventBody) {
     }
 }
 
+/// Records `row`'s evidence (§7) in `evidence`. Rows come in seq order, so
+/// a name's last record is its largest seq.
+fn note_evidence(evidence: &mut BTreeMap<String, i64>, row: &StoredEvent) {
+    for name in row.body.evidence() {
+        match evidence.get_mut(name) {
+            Some(seq) => *seq = row.seq,
+            None => {
+                evidence.insert(name.to_owned(), row.seq);
+            }
+        }
+    }
+}
+
 impl SessionState {
     /// The state of a session with no events.
     pub fn empty(session_id: Uuid) -> SessionState {
@@ -179,14 +192,7 @@ impl SessionState {
     /// Adds a row of the window and its evidence (§7). Rows come in seq
     /// order, so a name's last insert is its largest seq.
     fn push_row(&mut self, row: StoredEvent) {
-        for name in row.body.evidence() {
-            match self.evidence.get_mut(name) {
-                Some(seq) => *seq = row.seq,
-                None => {
-                    self.evidence.insert(name.to_owned(), row.seq);
-                }
-            }
-        }
+        note_evidence(&mut self.evidence, &row);
         self.rows.push(row);
     }
 
@@ -275,9 +281,7 @@ impl SessionState {
                 // Evidence of the dropped rows no longer counts (§7).
                 self.evidence.clear();
                 for row in &self.rows {
-                    for name in row.body.evidence() {
-                        self.evidence.insert(name.to_owned(), row.seq);
-                    }
+                    note_evidence(&mut self.evidence, row);
                 }
                 self.compaction = Some((summary.clone(), event.seq));
                 false

@@ -27,6 +27,25 @@ const A_WRITER: &str = "tenant-a-writer-0123456789";
 const A_READER: &str = "tenant-a-reader-0123456789";
 const B_WRITER: &str = "tenant-b-writer-0123456789";
 
+/// `server` on a free loopback port until `stop` is sent: its address,
+/// the sender that stops it, and the task serving (which ends once
+/// shutdown is done).
+async fn serve_until_stopped(
+    server: Server,
+) -> (
+    std::net::SocketAddr,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<std::io::Result<()>>,
+) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(server.serve(listener, async move {
+        let _ = stopped.await;
+    }));
+    (addr, stop, serving)
+}
+
 async fn open(url: &str, options: StoreOptions) -> Arc<Store> {
     Arc::new(Store::open_with(url, options).await.expect("open store"))
 }
@@ -884,12 +903,7 @@ both_backends!(
         )
         .await;
         let server = Server::new(store.clone(), ServerConfig::default());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let serving = tokio::spawn(server.serve(listener, async move {
-            let _ = stopped.await;
-        }));
+        let (addr, stop, serving) = serve_until_stopped(server).await;
         let id = Uuid::new_v4();
         let client = reqwest::Client::new();
         let append = tokio::spawn({
@@ -943,12 +957,7 @@ both_backends!(shutdown_ends_open_streams, |url: String| async move {
         .await
         .unwrap();
     let server = Server::new(store.clone(), ServerConfig::default());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let serving = tokio::spawn(server.serve(listener, async move {
-        let _ = stopped.await;
-    }));
+    let (addr, stop, serving) = serve_until_stopped(server).await;
     let response = reqwest::get(format!("http://{addr}/v1/sessions/{id}/stream"))
         .await
         .unwrap();
@@ -1012,12 +1021,7 @@ both_backends!(
                 .seq;
         }
         let server = Server::new(store.clone(), ServerConfig::default());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let serving = tokio::spawn(server.serve(listener, async move {
-            let _ = stopped.await;
-        }));
+        let (addr, stop, serving) = serve_until_stopped(server).await;
         let mut response = reqwest::get(format!("http://{addr}/v1/sessions/{id}/refreshes"))
             .await
             .unwrap();
@@ -1085,12 +1089,7 @@ async fn stalled_clients_cannot_hold_connections_and_the_cap_queues_the_rest() {
             ..ServerConfig::default()
         },
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let serving = tokio::spawn(server.serve(listener, async move {
-        let _ = stopped.await;
-    }));
+    let (addr, stop, serving) = serve_until_stopped(server).await;
     let connect = || tokio::net::TcpStream::connect(addr);
     let request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n";
     let mut silent = connect().await.unwrap();

@@ -1026,11 +1026,7 @@ async fn stream(
 /// naming it, as the audit routes answer (docs/api.md: what does not parse
 /// is 400, what parses but is refused is 422).
 fn out_of_range(field: &'static str, message: String) -> ApiError {
-    ApiError::invalid(&crate::error::ValidationError::new(
-        Rule::MistypedField,
-        Some(field),
-        message,
-    ))
+    ApiError::from(crate::store::query::bad(field, message))
 }
 
 /// Events a stream's task may have sent ahead of what its client read.

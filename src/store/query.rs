@@ -213,7 +213,9 @@ fn ceil_micros(t: DateTime<Utc>) -> DateTime<Utc> {
     }
 }
 
-fn bad(field: &str, message: String) -> Error {
+/// A query argument out of its range, naming it (`mistyped-field`): 422
+/// `invalid` over HTTP, as the server answers for every such argument.
+pub(crate) fn bad(field: &str, message: String) -> Error {
     Error::Invalid(ValidationError::new(
         Rule::MistypedField,
         Some(field),
