@@ -1152,3 +1152,66 @@ async fn an_append_on_a_closed_store_is_not_retried() {
         at.elapsed()
     );
 }
+
+/// A process killed while it created a SQLite store can leave a hot
+/// rollback journal (the store is not in WAL mode yet). The next process
+/// must roll it back and go on, not fail every command with "attempt to
+/// write a readonly database" (found by killing `append` at random
+/// moments of a new store's creation). The state is made here by copying
+/// a file and its journal while a transaction that wrote them is open.
+#[tokio::test]
+async fn a_hot_journal_left_by_a_killed_store_creation_is_rolled_back() {
+    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode};
+    use sqlx::{ConnectOptions, Connection};
+    let dir = tempfile::tempdir().unwrap();
+    let (src, dst) = (dir.path().join("src.db"), dir.path().join("store.db"));
+    let mut writer = SqliteConnectOptions::new()
+        .filename(&src)
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Delete)
+        // A small cache, so the open transaction spills its pages into the
+        // file (and their originals into the journal) before it commits.
+        .pragma("cache_size", "10")
+        .connect()
+        .await
+        .unwrap();
+    sqlx::raw_sql(
+        "BEGIN IMMEDIATE;
+         CREATE TABLE half_made (x BLOB);
+         WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 400)
+         INSERT INTO half_made SELECT randomblob(1000) FROM n;",
+    )
+    .execute(&mut writer)
+    .await
+    .unwrap();
+    let journal = |p: &std::path::Path| p.with_extension("db-journal");
+    assert!(std::fs::metadata(journal(&src)).unwrap().len() > 0);
+    std::fs::copy(&src, &dst).unwrap();
+    std::fs::copy(journal(&src), journal(&dst)).unwrap();
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut writer)
+        .await
+        .unwrap();
+    writer.close().await.unwrap();
+
+    let url = format!("sqlite://{}", dst.display());
+    let store = Store::open(&url).await.expect("the journal is rolled back");
+    let s = Uuid::new_v4();
+    let appended = store.append(s, 0, vec![started()]).await.unwrap();
+    assert_eq!(appended.events[0].seq, 1);
+    store.close().await;
+    // The half-made table went with the rollback, and the journal with it.
+    let mut conn = SqliteConnectOptions::new()
+        .filename(&dst)
+        .connect()
+        .await
+        .unwrap();
+    let left: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM sqlite_master WHERE name = 'half_made'")
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+    assert_eq!(left, 0);
+    conn.close().await.unwrap();
+    assert!(!journal(&dst).exists());
+}

@@ -322,9 +322,15 @@ async fn check_file(url: &str, create: bool) -> Result<()> {
             false => Err(empty("the file is empty")),
         };
     }
+    // Read-write where the file allows it (SQLite opens it read-only where
+    // it does not), but never created: a process killed while it created
+    // the store can leave a hot rollback journal (written before WAL mode
+    // is on), which the first connection must roll back, and a read-only
+    // connection cannot: every command after such a crash failed with
+    // "attempt to write a readonly database".
     let options = SqliteConnectOptions::new()
         .filename(file)
-        .read_only(true)
+        .create_if_missing(false)
         .busy_timeout(Duration::from_secs(10));
     // Only "not a database" (SQLITE_NOTADB) says what the file is; a
     // permission, lock or I/O failure is the storage's, said as such.
