@@ -17,7 +17,9 @@
 //! (throw-away PostgreSQL servers for tests and the bench).
 
 pub mod audit;
+#[cfg(feature = "bench")]
 pub mod bench;
+#[cfg(feature = "cli")]
 pub mod cli;
 pub mod error;
 pub mod event;
@@ -25,6 +27,7 @@ pub mod integrity;
 pub mod pgtemp;
 pub mod pi;
 pub mod projector;
+#[cfg(feature = "server")]
 pub mod server;
 pub mod store;
 pub mod validate;
