@@ -558,17 +558,6 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
     result
 }
 
-/// An event as `import` reads it: the envelope without `seq` and
-/// `position`, which the store assigns again (in the same order).
-fn export_line(e: &crate::event::StoredEvent) -> serde_json::Value {
-    let mut v = serde_json::to_value(e).unwrap_or_default();
-    if let Some(map) = v.as_object_mut() {
-        map.remove("seq");
-        map.remove("position");
-    }
-    v
-}
-
 /// The longest wait a seconds flag takes: a year. Beyond it a deadline
 /// is no longer a deadline, and far enough out it overflows the clock.
 const MAX_SECONDS: f64 = 365.0 * 24.0 * 3600.0;
@@ -889,7 +878,7 @@ async fn run_on(
                 let Some(last) = page.last() else { break };
                 after = last.seq;
                 for e in &page {
-                    print_json(out, &export_line(e))?;
+                    print_json(out, &e.export_line())?;
                 }
             }
         }

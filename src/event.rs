@@ -210,7 +210,11 @@ impl EventBody {
     /// Reads back a body stored by [`EventBody::to_json_text`].
     pub fn from_json_text(text: &str) -> Result<EventBody, ValidationError> {
         let value: Value = serde_json::from_str(text).map_err(|e| {
-            ValidationError::new(Rule::MalformedJson, None, format!("malformed JSON: {e}"))
+            ValidationError::new(
+                Rule::MalformedJson,
+                None,
+                json_error_said("malformed JSON", &e),
+            )
         })?;
         match value {
             Value::Object(mut map) => map
@@ -272,6 +276,20 @@ pub struct StoredEvent {
     /// Type and payload.
     #[serde(flatten)]
     pub body: EventBody,
+}
+
+impl StoredEvent {
+    /// The event as `export` writes it and `import` reads it back: the
+    /// envelope without `seq` and `position`, which the store assigns again
+    /// (in the same order).
+    pub fn export_line(&self) -> Value {
+        let mut v = serde_json::to_value(self).unwrap_or_default();
+        if let Some(map) = v.as_object_mut() {
+            map.remove("seq");
+            map.remove("position");
+        }
+        v
+    }
 }
 
 /// Which envelope fields a JSON line may carry besides the payload.
@@ -497,6 +515,24 @@ pub const LINE_ENVELOPE_BYTES: usize = 64 * 1024;
 /// as six-byte escapes (`\u007f`), so that no line can drive a terminal.
 pub const LINE_ESCAPE_FACTOR: usize = 6;
 
+/// Levels of arrays and objects the JSON parser reads, counting the
+/// event's own object: serde_json stops at its recursion limit (128) so
+/// that a hostile input cannot exhaust the stack.
+pub const MAX_JSON_DEPTH: usize = 127;
+
+/// serde_json's error said for a person, after `prefix` ("malformed
+/// JSON"). Its recursion limit is no flaw of the text, so it is said as
+/// the store's limit, not as malformed JSON.
+pub fn json_error_said(prefix: &str, e: &serde_json::Error) -> String {
+    let said = e.to_string();
+    match said.strip_prefix("recursion limit exceeded") {
+        Some(at) => format!(
+            "the JSON nests arrays and objects more than {MAX_JSON_DEPTH} levels deep, more than the store reads{at}"
+        ),
+        None => format!("{prefix}: {said}"),
+    }
+}
+
 /// The longest line `import` and `append` read for a limit of
 /// `max_event_bytes`: room for an event at the limit written with every
 /// character escaped ([`LINE_ESCAPE_FACTOR`]) and its envelope
@@ -531,8 +567,9 @@ pub fn parse_line(
     // given, which is one line of the input: the input's line number is
     // the caller's to give, the column is what is left to say.
     let malformed = |e: serde_json::Error| {
-        let said = e.to_string().replace(" at line 1 column ", " at column ");
-        ValidationError::new(Rule::MalformedJson, None, format!("malformed JSON: {said}"))
+        let said =
+            json_error_said("malformed JSON", &e).replace(" at line 1 column ", " at column ");
+        ValidationError::new(Rule::MalformedJson, None, said)
     };
     check_reserved_key(line.as_bytes())
         .map_err(|m| ValidationError::new(Rule::MalformedJson, None, m))?;
@@ -897,6 +934,26 @@ mod tests {
         assert_eq!(rule("null").0, Rule::MalformedJson);
     }
 
+    #[test]
+    fn json_nested_past_the_parser_limit_is_refused_as_too_deep_not_as_garbled() {
+        // The event's object is one level; `input` adds the rest.
+        let nested = |levels: usize| {
+            let arrays = levels - 1;
+            line(&format!(
+                r#""type":"tool_call","call_id":"c","tool_name":"T","input":{}{}"#,
+                "[".repeat(arrays),
+                "]".repeat(arrays)
+            ))
+        };
+        assert!(parse(&nested(MAX_JSON_DEPTH)).is_ok());
+        let e = parse(&nested(MAX_JSON_DEPTH + 1)).expect_err("one level too deep");
+        assert_eq!(e.rule, Rule::MalformedJson);
+        assert!(
+            e.message.contains("more than 127 levels deep") && !e.message.contains("malformed"),
+            "{}",
+            e.message
+        );
+    }
     #[test]
     fn an_unknown_type_is_rejected() {
         assert_eq!(

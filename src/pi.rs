@@ -932,7 +932,11 @@ fn parse_object(line: usize, text: &str) -> Result<Map<String, Value>, PiError> 
                 kind_of(&other)
             ),
         )),
-        Err(e) => Err(PiError::new(line, None, format!("malformed JSON: {e}"))),
+        Err(e) => Err(PiError::new(
+            line,
+            None,
+            crate::event::json_error_said("malformed JSON", &e),
+        )),
     }
 }
 

@@ -515,7 +515,7 @@ fn parse_append(body: &[u8]) -> Result<(i64, ParsedEvents), ApiError> {
     crate::event::check_reserved_key(body).map_err(|m| malformed(format!("the body: {m}")))?;
     let value: Value = serde_json::from_slice(body)
         .and_then(|v| crate::event::check_unique_keys(body).map(|()| v))
-        .map_err(|e| malformed(format!("the body is not JSON: {e}")))?;
+        .map_err(|e| malformed(crate::event::json_error_said("the body is not JSON", &e)))?;
     let Value::Object(mut map) = value else {
         let mut a = ApiError::bad_request(
             "the body must be a JSON object: {\"expected_seq\": N, \"events\": [...]}",
