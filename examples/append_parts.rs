@@ -145,8 +145,10 @@ async fn raw_run(
     indexed: bool,
 ) -> Result<Run, Error> {
     let raw = Raw::open(BackendKind::Sqlite, &format!("sqlite://{}", path.display())).await?;
-    if let (true, Raw::Sqlite(pool)) = (indexed, &raw) {
-        sqlx::raw_sql(INDEXES).execute(pool).await?;
+    if let (true, Raw::Sqlite(conn)) = (indexed, &raw) {
+        sqlx::raw_sql(INDEXES)
+            .execute(&mut *conn.lock().await)
+            .await?;
     }
     let session = Uuid::new_v4();
     let before = thread_cpu();

@@ -15,11 +15,17 @@
 //!   freshly started sidecar's cold path: the view, the window, the events
 //!   after the view); p50/p99 over the samples. Then the next turn: 21
 //!   prompts appended one at a time (each rewrites the view), timed.
-//! - **fold**: per size, every event from seq 1 by `Store::history` pages,
-//!   folded with `SessionState::apply`, then the same two answers.
+//! - **fold**: per size, the session written once as a JSON-lines file
+//!   (`export`'s lines, what a JSONL-file store keeps), then, timed, the
+//!   naive fold: the file read and every line parsed and folded with
+//!   `SessionState::apply`, then the same two answers. Beside it the
+//!   store's own fold of the whole log through `Store::history` pages (the
+//!   `--at-seq` path), which pays the database's reads on top.
 
+use std::io::{BufRead, Write};
+use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
@@ -27,7 +33,7 @@ use uuid::Uuid;
 use super::stats::Latency;
 use super::workload::{Mix, TextPool};
 use super::BenchError;
-use crate::event::{EventBody, NewEvent};
+use crate::event::{parse_event_object, EventBody, LineKind, NewEvent, StoredEvent};
 use crate::projector::SessionState;
 use crate::store::{BackendKind, Store};
 
@@ -228,8 +234,12 @@ pub struct Fold {
     pub size: u64,
     /// The session's events.
     pub events: i64,
-    /// Whole-log fold + the two answers.
+    /// Bytes of the session's JSON-lines file.
+    pub jsonl_bytes: u64,
+    /// The JSON-lines file read, parsed and folded + the two answers.
     pub fold: Latency,
+    /// The store's fold of its whole log + the two answers.
+    pub store_fold: Latency,
 }
 
 fn fold_repeats(size: u64, quick: bool) -> usize {
@@ -243,7 +253,7 @@ fn fold_repeats(size: u64, quick: bool) -> usize {
     }
 }
 
-/// Folds every event of the session from seq 1.
+/// Folds every event of the session from seq 1, read from the store.
 pub async fn naive_fold(store: &Store, session: Uuid) -> Result<SessionState, BenchError> {
     let mut state = SessionState::empty(session);
     loop {
@@ -257,32 +267,98 @@ pub async fn naive_fold(store: &Store, session: Uuid) -> Result<SessionState, Be
     }
 }
 
-/// Measures the naive fold of each built session.
+/// Writes the session as JSON lines (`export`'s), returning the bytes.
+async fn write_jsonl(store: &Store, session: Uuid, path: &Path) -> Result<u64, BenchError> {
+    let io = |e: std::io::Error| BenchError::Setup(format!("writing {}: {e}", path.display()));
+    let mut file = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
+    let mut after = 0;
+    loop {
+        let page = store.history(session, after, 5_000).await?;
+        let Some(last) = page.last() else { break };
+        after = last.seq;
+        for e in &page {
+            serde_json::to_writer(&mut file, &e.export_line())
+                .map_err(|e| io(std::io::Error::other(e)))?;
+            file.write_all(b"\n").map_err(io)?;
+        }
+    }
+    file.flush().map_err(io)?;
+    Ok(std::fs::metadata(path).map_err(io)?.len())
+}
+
+/// What a JSONL-file store does to answer: read every line of the file,
+/// parse it and fold it. The seq of an event is its line number.
+pub fn jsonl_fold(path: &Path, session: Uuid) -> Result<SessionState, BenchError> {
+    let bad =
+        |n: usize, why: String| BenchError::Setup(format!("line {n} of {}: {why}", path.display()));
+    let file = std::fs::File::open(path).map_err(|e| bad(0, e.to_string()))?;
+    let mut state = SessionState::empty(session);
+    for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
+        let n = i + 1;
+        let line = line.map_err(|e| bad(n, e.to_string()))?;
+        let map = serde_json::from_str(&line).map_err(|e| bad(n, e.to_string()))?;
+        let parsed =
+            parse_event_object(map, LineKind::Import).map_err(|e| bad(n, e.to_string()))?;
+        let event = parsed.event;
+        state.apply(&StoredEvent {
+            session_id: session,
+            seq: n as i64,
+            event_id: event.event_id.unwrap_or_default(),
+            position: n as i64,
+            recorded_at: event.recorded_at.unwrap_or_default(),
+            body: event.body,
+        });
+    }
+    Ok(state)
+}
+
+/// Measures the naive fold of each built session, from its JSON-lines file
+/// and from the store.
 pub async fn fold(url: &str, quick: bool, built: &[Built]) -> Result<Vec<Fold>, BenchError> {
     let store = Store::open(url).await?;
     let mut out = Vec::new();
     for b in built {
-        let mut samples: Vec<Duration> = Vec::new();
-        let mut events = 0;
-        for _ in 0..fold_repeats(b.size, quick) {
-            let t = Instant::now();
-            let state = naive_fold(&store, b.session_id).await?;
-            let answers = (state.activations(), state.context());
-            samples.push(t.elapsed());
-            events = state.seq;
-            std::hint::black_box(answers);
-        }
-        let f = Fold {
-            size: b.size,
-            events,
-            fold: Latency::of(&samples),
-        };
+        let path = std::env::temp_dir().join(format!(
+            "session-store-bench-{}-{}.jsonl",
+            std::process::id(),
+            b.session_id
+        ));
+        let measured = fold_one(&store, b, quick, &path).await;
+        let _ = std::fs::remove_file(&path);
+        let f = measured?;
         eprintln!(
-            "  naive fold at {} events: median {:.1} ms over {} runs",
-            f.events, f.fold.p50_ms, f.fold.n
+            "  naive fold at {} events: median {:.1} ms from JSON lines, {:.1} ms from the store, over {} runs",
+            f.events, f.fold.p50_ms, f.store_fold.p50_ms, f.fold.n
         );
         out.push(f);
     }
     store.close().await;
     Ok(out)
+}
+
+async fn fold_one(store: &Store, b: &Built, quick: bool, path: &Path) -> Result<Fold, BenchError> {
+    let jsonl_bytes = write_jsonl(store, b.session_id, path).await?;
+    let (mut from_file, mut from_store) = (Vec::new(), Vec::new());
+    let mut events = 0;
+    // Alternating, so a drift of the machine hits both alike.
+    for _ in 0..fold_repeats(b.size, quick) {
+        let t = Instant::now();
+        let state = jsonl_fold(path, b.session_id)?;
+        let answers = (state.activations(), state.context());
+        from_file.push(t.elapsed());
+        std::hint::black_box(answers);
+        let t = Instant::now();
+        let state = naive_fold(store, b.session_id).await?;
+        let answers = (state.activations(), state.context());
+        from_store.push(t.elapsed());
+        events = state.seq;
+        std::hint::black_box(answers);
+    }
+    Ok(Fold {
+        size: b.size,
+        events,
+        jsonl_bytes,
+        fold: Latency::of(&from_file),
+        store_fold: Latency::of(&from_store),
+    })
 }

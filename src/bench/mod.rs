@@ -409,6 +409,34 @@ fn decode<T: serde::de::DeserializeOwned>(
     })
 }
 
+/// The durability the figures were measured with, as the database says it
+/// (a `--postgres-url` server may run with `fsync` off).
+async fn durability(kind: BackendKind, url: &str) -> Result<String, BenchError> {
+    match kind {
+        BackendKind::Sqlite => {
+            Ok("WAL, synchronous=FULL (the store's connection settings, store and ceiling)".into())
+        }
+        BackendKind::Postgres => {
+            use sqlx::{ConnectOptions, Connection};
+            let mut conn = crate::store::postgres::ceiling_connect_options(url)?
+                .connect()
+                .await
+                .map_err(Error::from_sqlx)?;
+            let (version, fsync, commit): (String, String, String) = sqlx::query_as(
+                "SELECT current_setting('server_version'), current_setting('fsync'), \
+                 current_setting('synchronous_commit')",
+            )
+            .fetch_one(&mut conn)
+            .await
+            .map_err(Error::from_sqlx)?;
+            let _ = conn.close().await;
+            Ok(format!(
+                "PostgreSQL {version}, fsync={fsync}, synchronous_commit={commit} (read from the server)"
+            ))
+        }
+    }
+}
+
 /// Measures one backend, each phase in a child process.
 async fn measure(
     kind: BackendKind,
@@ -463,10 +491,10 @@ async fn measure(
     let latency: Vec<LatencyRow> = reads
         .iter()
         .map(|r| {
-            let fold = folds
+            let (fold, store_fold) = folds
                 .iter()
                 .find(|f| f.size == r.size)
-                .map(|f| f.fold)
+                .map(|f| (f.fold, f.store_fold))
                 .unwrap_or_default();
             LatencyRow {
                 size: r.size,
@@ -477,6 +505,7 @@ async fn measure(
                 activations_only: r.activations_only,
                 next_append: r.next_append,
                 naive_fold: fold,
+                store_fold,
                 fold_over_read: fold.p50_ms / r.pre_request.p50_ms.max(f64::MIN_POSITIVE),
                 read_vs_smallest: r.pre_request.p50_ms / smallest.max(f64::MIN_POSITIVE),
             }
@@ -500,11 +529,7 @@ async fn measure(
         }
         .to_owned(),
         name: name.to_owned(),
-        durability: match kind {
-            BackendKind::Sqlite => "WAL, synchronous=FULL (store and ceiling)",
-            BackendKind::Postgres => "fsync=on, synchronous_commit=on (server defaults)",
-        }
-        .to_owned(),
+        durability: durability(kind, &dbs.append_url).await?,
         append,
         build: built,
         latency,

@@ -1,5 +1,6 @@
 //! The SVG plot of docs/benchmarks.md: pre-request latency (p50 and p99)
-//! against session length, both backends, beside the naive fold, log-log,
+//! against session length, both backends, beside the naive fold of the
+//! session's JSON-lines file, log-log,
 //! with the p99 targets as horizontal lines. Drawn with plotters' SVG
 //! backend, which writes text as SVG `<text>` and so needs no font files.
 
@@ -45,8 +46,10 @@ fn draw(report: &Report, path: &Path) -> Result<(), Box<dyn std::error::Error>> 
     } else {
         (100.0, 10_000_000.0)
     };
+    // The bottom at a power of ten, so that the axis has a labelled tick
+    // below the smallest reads (sub-millisecond on SQLite).
     let (y_min, y_max) = if y_min < y_max {
-        (y_min / 2.0, y_max * 2.0)
+        (10f64.powf((y_min / 2.0).log10().floor()), y_max * 2.0)
     } else {
         (0.01, 100_000.0)
     };
@@ -106,7 +109,7 @@ fn draw(report: &Report, path: &Path) -> Result<(), Box<dyn std::error::Error>> 
         let light = c.mix(0.45);
         chart
             .draw_series(LineSeries::new(fold.clone(), light.stroke_width(3)))?
-            .label(format!("{}: naive fold of the log, median", b.name))
+            .label(format!("{}: naive fold of a JSONL file, median", b.name))
             .legend(move |(x, y)| {
                 PathElement::new(vec![(x, y), (x + 20, y)], light.stroke_width(3))
             });

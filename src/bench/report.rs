@@ -114,8 +114,12 @@ pub struct LatencyRow {
     pub activations_only: Latency,
     /// One prompt appended after the reads, cache warm.
     pub next_append: Latency,
-    /// The whole-log fold.
+    /// The naive fold: the session's JSON-lines file read, parsed and
+    /// folded (reports before 2026-12-05 12:00 UTC: the store's fold).
     pub naive_fold: Latency,
+    /// The store's fold of its whole log (absent from older reports).
+    #[serde(default)]
+    pub store_fold: Latency,
     /// Fold p50 / read p50.
     pub fold_over_read: f64,
     /// Read p50 / read p50 at the smallest size.
@@ -237,9 +241,12 @@ pub fn write_tables(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
     )?;
     writeln!(
         out,
-        "| backend | events | window | read p50 | read p99 | vs smallest | naive fold p50 (runs) | fold / read | p99 target | next append p50 / p99 |"
+        "| backend | events | window | read p50 | read p99 | vs smallest | naive fold (JSONL) p50 (runs) | fold / read | store's full fold p50 | p99 target | next append p50 / p99 |"
     )?;
-    writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|")?;
+    writeln!(
+        out,
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"
+    )?;
     for b in &r.backends {
         for l in &b.latency {
             let target = if l.size >= b.latency_target.at_events as u64 {
@@ -253,7 +260,7 @@ pub fn write_tables(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
             };
             writeln!(
                 out,
-                "| {} | {} | {} | {} | {} | {:.2}x | {} ({}) | {:.0}x | {} | {} / {} |",
+                "| {} | {} | {} | {} | {} | {:.2}x | {} ({}) | {:.0}x | {} | {} | {} / {} |",
                 b.name,
                 l.events,
                 l.window_events,
@@ -263,6 +270,10 @@ pub fn write_tables(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
                 ms(l.naive_fold.p50_ms),
                 l.naive_fold.n,
                 l.fold_over_read,
+                match l.store_fold.n {
+                    0 => "–".to_owned(),
+                    _ => ms(l.store_fold.p50_ms),
+                },
                 target,
                 ms(l.next_append.p50_ms),
                 ms(l.next_append.p99_ms)
