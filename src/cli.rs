@@ -352,6 +352,11 @@ pub struct ServeArgs {
     /// closes.
     #[arg(long, default_value_t = crate::server::DEFAULT_MAX_CONNECTIONS as u32, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_connections: u32,
+    /// Bytes of answers held for clients that have not read them yet (of
+    /// answers of 64 KiB or more); an answer that finds them spent waits,
+    /// then answers 503 `busy`. At least 1 MiB.
+    #[arg(long, default_value_t = crate::server::DEFAULT_RESPONSE_MEMORY as u64, value_parser = clap::value_parser!(u64).range(1 << 20..))]
+    pub response_memory: u64,
 }
 
 /// Which backends `bench` measures.
@@ -626,6 +631,7 @@ async fn serve(
         shutdown_grace: args.shutdown_grace,
         header_timeout: args.header_timeout,
         max_connections: args.max_connections as usize,
+        response_memory: usize::try_from(args.response_memory).unwrap_or(usize::MAX),
     };
     let store = std::sync::Arc::new(Store::open_with(database, options).await?);
     let listener = tokio::net::TcpListener::bind(args.listen)

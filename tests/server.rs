@@ -46,6 +46,30 @@ async fn serve_until_stopped(
     (addr, stop, serving)
 }
 
+/// Stops a server of [`serve_until_stopped`] and waits, at most 10 s, for
+/// its shutdown (`what` says what must not hold it up).
+async fn stop_serving(
+    stop: tokio::sync::oneshot::Sender<()>,
+    serving: tokio::task::JoinHandle<std::io::Result<()>>,
+    what: &str,
+) {
+    stop.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(10), serving)
+        .await
+        .expect(what)
+        .unwrap()
+        .unwrap();
+}
+
+/// A store on a new SQLite file in `dir`.
+async fn store_in(dir: &tempfile::TempDir) -> Arc<Store> {
+    Arc::new(
+        Store::open(&dir.path().join("s.db").display().to_string())
+            .await
+            .unwrap(),
+    )
+}
+
 async fn open(url: &str, options: StoreOptions) -> Arc<Store> {
     Arc::new(Store::open_with(url, options).await.expect("open store"))
 }
@@ -962,12 +986,7 @@ both_backends!(shutdown_ends_open_streams, |url: String| async move {
         .await
         .unwrap();
     assert_eq!(response.status(), 200);
-    stop.send(()).unwrap();
-    tokio::time::timeout(Duration::from_secs(10), serving)
-        .await
-        .expect("a stream does not hold shutdown up")
-        .unwrap()
-        .unwrap();
+    stop_serving(stop, serving, "a stream does not hold shutdown up").await;
     // The body ends (cleanly or by a reset) instead of hanging.
     let _ = tokio::time::timeout(Duration::from_secs(5), response.bytes())
         .await
@@ -1076,11 +1095,7 @@ async fn stalled_clients_cannot_hold_connections_and_the_cap_queues_the_rest() {
     // instead of being accepted and starved (docs/api.md, "Limits").
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let dir = tempfile::tempdir().unwrap();
-    let store = Arc::new(
-        Store::open(&dir.path().join("s.db").display().to_string())
-            .await
-            .unwrap(),
-    );
+    let store = store_in(&dir).await;
     let server = Server::new(
         store,
         ServerConfig {
@@ -1132,10 +1147,118 @@ async fn stalled_clients_cannot_hold_connections_and_the_cap_queues_the_rest() {
             .unwrap_or_else(|_| panic!("the {name} connection is still open"))
             .unwrap();
     }
-    stop.send(()).unwrap();
-    tokio::time::timeout(Duration::from_secs(10), serving)
+    stop_serving(stop, serving, "shutdown").await;
+}
+
+#[tokio::test]
+async fn answers_their_clients_do_not_read_are_held_within_the_response_memory() {
+    // A client that asks for a large page and never reads it holds the
+    // made answer; fifteen such clients took a server to 5 GB. Held
+    // answers now count against --response-memory: one that finds it
+    // spent waits up to the request timeout, then answers 503 `busy`;
+    // small answers go on; and once the reader reads, the memory is free.
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let store = store_in(&dir).await;
+    let s = Uuid::new_v4();
+    use session_store::{EventBody, NewEvent};
+    let started = NewEvent::new(EventBody::SessionStarted {
+        mode: "agent".into(),
+        metadata: None,
+    });
+    store.append(s, 0, vec![started]).await.unwrap();
+    for i in 0..24 {
+        let text = "x".repeat(1_000_000);
+        let reply = NewEvent::new(EventBody::AssistantMessage { text });
+        store.append(s, i + 1, vec![reply]).await.unwrap();
+    }
+    let server = Server::new(
+        store,
+        ServerConfig {
+            request_timeout: Duration::from_secs(2),
+            response_memory: 4 << 20,
+            ..ServerConfig::default()
+        },
+    );
+    let (addr, stop, serving) = serve_until_stopped(server).await;
+    // Sends a GET of `path` (the answer ends with the connection).
+    let ask = |path: String| async move {
+        let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        conn.write_all(request.as_bytes()).await.unwrap();
+        conn
+    };
+    let answer = |mut conn: tokio::net::TcpStream| async move {
+        let mut all = Vec::new();
+        tokio::time::timeout(Duration::from_secs(20), conn.read_to_end(&mut all))
+            .await
+            .expect("answered")
+            .unwrap();
+        all
+    };
+
+    // 24 MB that nobody reads: far more than the sockets' buffers.
+    let unread = ask(format!("/v1/sessions/{s}/events?limit=1000")).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let refused = answer(ask(format!("/v1/sessions/{s}/events?limit=3")).await).await;
+    let text = String::from_utf8_lossy(&refused);
+    assert!(
+        text.starts_with("HTTP/1.1 503"),
+        "{}",
+        &text[..text.len().min(300)]
+    );
+    assert!(text.contains("\"busy\""), "{text}");
+
+    let small = answer(ask(format!("/v1/sessions/{s}/activations")).await).await;
+    assert!(small.starts_with(b"HTTP/1.1 200"));
+
+    let whole = answer(unread).await;
+    assert!(whole.starts_with(b"HTTP/1.1 200"));
+    assert!(whole.len() > 24_000_000, "{} bytes", whole.len());
+
+    let again = answer(ask(format!("/v1/sessions/{s}/events?limit=3")).await).await;
+    assert!(
+        again.starts_with(b"HTTP/1.1 200"),
+        "{:?}",
+        &again[..again.len().min(200)]
+    );
+    assert!(again.len() > 1_900_000, "{} bytes", again.len());
+
+    stop_serving(stop, serving, "shutdown").await;
+}
+
+#[tokio::test]
+async fn a_client_that_shuts_its_side_after_the_request_still_gets_the_answer() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let store = store_in(&dir).await;
+    let server = Server::new(store.clone(), ServerConfig::default());
+    let (addr, stop, serving) = serve_until_stopped(server).await;
+    // The race (the server reading the end of input while the answer is
+    // being made) is lost now and then: twenty appends, every one answered.
+    for _ in 0..20 {
+        let s = Uuid::new_v4();
+        let body = r#"{"expected_seq":0,"events":[{"type":"session_started","mode":"agent"}]}"#;
+        let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+        conn.write_all(
+            format!(
+                "POST /v1/sessions/{s}/events HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
+        )
         .await
-        .expect("shutdown")
-        .unwrap()
         .unwrap();
+        conn.shutdown().await.unwrap();
+        let mut all = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut all))
+            .await
+            .expect("answered")
+            .unwrap();
+        let text = String::from_utf8_lossy(&all);
+        assert!(text.starts_with("HTTP/1.1 201"), "{text:?}");
+        assert_eq!(store.history(s, 0, 10).await.unwrap().len(), 1);
+    }
+    stop_serving(stop, serving, "shutdown").await;
 }

@@ -54,7 +54,7 @@ pub struct ExplainQuery {
         (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody),
         (status = 422, description = "`at_seq` or `at_prompt` out of range", body = ErrorBody),
-        (status = 503, description = "The database is unavailable, or the request timed out", body = ErrorBody),
+        (status = 503, description = "The database is unavailable, the request timed out (`timeout`), or the answers held for clients fill --response-memory (`busy`)", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
@@ -181,7 +181,7 @@ const REFRESH_PAGES_AHEAD: usize = 2;
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody),
-        (status = 503, description = "The database is unavailable, or the request timed out", body = ErrorBody),
+        (status = 503, description = "The database is unavailable, the request timed out (`timeout`), or the answers held for clients fill --response-memory (`busy`)", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
@@ -313,7 +313,7 @@ impl AuditParams {
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),
         (status = 422, description = "A filter out of range", body = ErrorBody),
-        (status = 503, description = "The database is unavailable, or the request timed out", body = ErrorBody),
+        (status = 503, description = "The database is unavailable, the request timed out (`timeout`), or the answers held for clients fill --response-memory (`busy`)", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
@@ -373,7 +373,7 @@ pub(super) async fn audit_events(
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),
         (status = 422, description = "A filter out of range", body = ErrorBody),
-        (status = 503, description = "The database is unavailable, or the request timed out", body = ErrorBody),
+        (status = 503, description = "The database is unavailable, the request timed out (`timeout`), or the answers held for clients fill --response-memory (`busy`)", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
@@ -425,7 +425,7 @@ pub(super) async fn audit_changes(
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),
         (status = 422, description = "A filter out of range", body = ErrorBody),
-        (status = 503, description = "The database is unavailable, or the request timed out", body = ErrorBody),
+        (status = 503, description = "The database is unavailable, the request timed out (`timeout`), or the answers held for clients fill --response-memory (`busy`)", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]

@@ -131,9 +131,12 @@ impl Tokens {
                     "{at}: a token must be at least {MIN_TOKEN_LEN} characters long"
                 ));
             }
-            if t.token.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            // What an HTTP header carries as `Bearer TOKEN`: visible ASCII.
+            // A token with other characters was accepted here and could
+            // never authenticate.
+            if !t.token.bytes().all(|b| b.is_ascii_graphic()) {
                 return Err(format!(
-                    "{at}: a token must not hold spaces or control characters"
+                    "{at}: a token must be visible ASCII characters only (no spaces, control characters or non-ASCII letters), as an Authorization header carries it"
                 ));
             }
             if t.tenant.is_empty() || t.tenant.len() > 200 || t.tenant.chars().any(char::is_control)
@@ -275,6 +278,14 @@ mod tests {
                 r#"{"tokens": [{"token": "0123456789abcdef", "tenant": "a", "scopes": ["read"]},
                             {"token": "0123456789abcdef", "tenant": "b", "scopes": ["read"]}]}"#,
                 "twice",
+            ),
+            (
+                r#"{"tokens": [{"token": "éééééééééééééééé", "tenant": "a", "scopes": ["read"]}]}"#,
+                "visible ASCII",
+            ),
+            (
+                r#"{"tokens": [{"token": "0123456789 abcdef", "tenant": "a", "scopes": ["read"]}]}"#,
+                "visible ASCII",
             ),
             ("not json", "not a token document"),
         ] {

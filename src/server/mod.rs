@@ -69,6 +69,13 @@ const KEEP_ALIVE: Duration = Duration::from_secs(15);
 pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(15);
 /// The default number of connections served at once (streams included).
 pub const DEFAULT_MAX_CONNECTIONS: usize = 4_096;
+/// The default bytes of answers held for clients at once (256 MiB).
+pub const DEFAULT_RESPONSE_MEMORY: usize = 256 << 20;
+/// Answers smaller than this are not counted against the response
+/// memory: they cannot add up to much before the connection cap does.
+const UNCOUNTED_RESPONSE: usize = 64 << 10;
+/// An answer is handed to the connection in pieces of this size.
+const RESPONSE_CHUNK: usize = 64 << 10;
 
 /// How the server behaves.
 #[derive(Debug)]
@@ -90,6 +97,14 @@ pub struct ServerConfig {
     /// Connections served at once; more wait in the listen queue until one
     /// closes, so the process never runs out of file descriptors.
     pub max_connections: usize,
+    /// Bytes of made answers (`GET …/events` pages, contexts, audit pages)
+    /// held for their clients at once. An answer is held until its client
+    /// has read it, so clients that ask for large answers and do not read
+    /// them could otherwise hold the server's memory without bound; an
+    /// answer that finds the budget spent waits for it, up to the request
+    /// timeout, then answers 503 `busy`. Streamed answers (`/stream`,
+    /// `/refreshes`) hold a page at a time and are not counted.
+    pub response_memory: usize,
 }
 
 impl Default for ServerConfig {
@@ -101,6 +116,7 @@ impl Default for ServerConfig {
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             header_timeout: DEFAULT_HEADER_TIMEOUT,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            response_memory: DEFAULT_RESPONSE_MEMORY,
         }
     }
 }
@@ -108,6 +124,8 @@ impl Default for ServerConfig {
 struct Inner {
     store: Arc<Store>,
     config: ServerConfig,
+    /// The response memory, in KiB permits.
+    response_kib: Arc<tokio::sync::Semaphore>,
     metrics: Metrics,
     /// Turns true when shutdown starts: streams end, so connections drain.
     shutdown: watch::Sender<bool>,
@@ -134,9 +152,11 @@ impl Server {
     /// A server over `store`.
     pub fn new(store: Arc<Store>, config: ServerConfig) -> Server {
         let (shutdown, _) = watch::channel(false);
+        let response_kib = Arc::new(tokio::sync::Semaphore::new(response_kib_total(&config)));
         Server {
             inner: Arc::new(Inner {
                 store,
+                response_kib,
                 config,
                 metrics: Metrics::new(),
                 shutdown,
@@ -177,6 +197,10 @@ impl Server {
             .layer(middleware::from_fn(move |req: Request, next: Next| {
                 with_timeout(timeout, req, next)
             }))
+            .layer(middleware::from_fn_with_state(
+                self.clone(),
+                within_response_memory,
+            ))
             .layer(middleware::from_fn(move |req: Request, next: Next| {
                 refuse_announced_size(limit, req, next)
             }))
@@ -208,7 +232,12 @@ impl Server {
         let service = TowerToHyperService::new(self.router());
         let mut http = hyper::server::conn::http1::Builder::new();
         http.timer(TokioTimer::new())
-            .header_read_timeout(inner.config.header_timeout);
+            .header_read_timeout(inner.config.header_timeout)
+            // A client may shut its side down once its request is sent
+            // (`nc -N`, some proxies) and still wait for the answer;
+            // without this hyper closed such a connection unanswered,
+            // leaving the client unsure whether its append was stored.
+            .half_close(true);
         let slots = Arc::new(tokio::sync::Semaphore::new(
             inner.config.max_connections.max(1),
         ));
@@ -309,6 +338,105 @@ async fn refuse_announced_size(limit: usize, req: Request, next: Next) -> Respon
         )
         .into_response(),
         _ => next.run(req).await,
+    }
+}
+
+fn response_kib_total(config: &ServerConfig) -> usize {
+    (config.response_memory / 1024).clamp(1, tokio::sync::Semaphore::MAX_PERMITS)
+}
+
+/// Holds a made answer of 64 KiB or more against the response memory
+/// until its client has read it (see [`ServerConfig::response_memory`]).
+/// An answer larger than the whole budget waits for all of it, so it is
+/// still served, alone.
+async fn within_response_memory(
+    State(server): State<Server>,
+    req: Request,
+    next: Next,
+) -> Response {
+    use hyper::body::Body as _;
+    let response = next.run(req).await;
+    let Some(size) = response.body().size_hint().exact() else {
+        return response; // streamed: holds a page at a time
+    };
+    let size = usize::try_from(size).unwrap_or(usize::MAX);
+    if size < UNCOUNTED_RESPONSE {
+        return response;
+    }
+    let inner = &server.inner;
+    let kib = size.div_ceil(1024).min(response_kib_total(&inner.config));
+    let wait = inner.config.request_timeout;
+    let permit = match tokio::time::timeout(
+        wait,
+        inner
+            .response_kib
+            .clone()
+            .acquire_many_owned(u32::try_from(kib).unwrap_or(u32::MAX)),
+    )
+    .await
+    {
+        Ok(Ok(permit)) => permit,
+        _ => {
+            warn!(bytes = size, "an answer found the response memory spent");
+            return ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "busy",
+                format!(
+                    "the server holds {} MiB of answers that their clients have not read yet, its --response-memory; try again shortly, or ask for smaller pages",
+                    inner.config.response_memory >> 20
+                ),
+            )
+            .into_response();
+        }
+    };
+    let (parts, body) = response.into_parts();
+    match axum::body::to_bytes(body, usize::MAX).await {
+        Ok(data) => Response::from_parts(
+            parts,
+            axum::body::Body::new(Budgeted {
+                data,
+                permit: Some(permit),
+            }),
+        ),
+        Err(e) => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            format!("the answer could not be sent: {e}"),
+        )
+        .into_response(),
+    }
+}
+
+/// A made answer handed to the connection a piece at a time, holding its
+/// share of the response memory until the last piece is taken.
+struct Budgeted {
+    data: axum::body::Bytes,
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl hyper::body::Body for Budgeted {
+    type Data = axum::body::Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<axum::body::Bytes>, Self::Error>>> {
+        if self.data.is_empty() {
+            self.permit = None;
+            return std::task::Poll::Ready(None);
+        }
+        let n = self.data.len().min(RESPONSE_CHUNK);
+        let piece = self.data.split_to(n);
+        std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(piece))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.data.is_empty()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        hyper::body::SizeHint::with_exact(self.data.len() as u64)
     }
 }
 
@@ -666,7 +794,7 @@ fn body_error(e: BytesRejection, limit: usize) -> ApiError {
         (status = 413, description = "The body is over the size limit", body = ErrorBody),
         (status = 415, description = "Not `application/json`", body = ErrorBody),
         (status = 422, description = "Breaks a SEMANTICS §4 rule: `rule`, `field`, `index`", body = ErrorBody),
-        (status = 503, description = "The database is unavailable, or the request timed out", body = ErrorBody),
+        (status = 503, description = "The database is unavailable, the request timed out (`timeout`), or the answers held for clients fill --response-memory (`busy`)", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
@@ -789,7 +917,7 @@ pub struct HistoryPage {
         (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody),
         (status = 422, description = "`limit` or `after_seq` out of range (`invalid`, naming it)", body = ErrorBody),
-        (status = 503, description = "The database is unavailable, or the request timed out", body = ErrorBody),
+        (status = 503, description = "The database is unavailable, the request timed out (`timeout`), or the answers held for clients fill --response-memory (`busy`)", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
@@ -856,7 +984,7 @@ pub struct AtSeqQuery {
         (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody),
         (status = 422, description = "`at_seq` out of range (`seq_out_of_range`)", body = ErrorBody),
-        (status = 503, description = "The database is unavailable, or the request timed out", body = ErrorBody),
+        (status = 503, description = "The database is unavailable, the request timed out (`timeout`), or the answers held for clients fill --response-memory (`busy`)", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
@@ -885,7 +1013,7 @@ async fn context(
         (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody),
         (status = 422, description = "`at_seq` out of range (`seq_out_of_range`)", body = ErrorBody),
-        (status = 503, description = "The database is unavailable, or the request timed out", body = ErrorBody),
+        (status = 503, description = "The database is unavailable, the request timed out (`timeout`), or the answers held for clients fill --response-memory (`busy`)", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
@@ -913,7 +1041,7 @@ async fn activations(
         (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody),
-        (status = 503, description = "The database is unavailable, or the request timed out", body = ErrorBody),
+        (status = 503, description = "The database is unavailable, the request timed out (`timeout`), or the answers held for clients fill --response-memory (`busy`)", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
@@ -965,7 +1093,7 @@ pub struct StreamQuery {
         (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody),
         (status = 422, description = "The cursor is past the latest event, or `after_seq` is below 0 (`invalid`)", body = ErrorBody),
-        (status = 503, description = "The database is unavailable, or the request timed out", body = ErrorBody),
+        (status = 503, description = "The database is unavailable, the request timed out (`timeout`), or the answers held for clients fill --response-memory (`busy`)", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
