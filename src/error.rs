@@ -221,6 +221,27 @@ pub enum Error {
 }
 
 impl Error {
+    /// A failed migration of `backend`: a lost or refused connection is the
+    /// storage's (`Unavailable`, exit 4, retried by `import`), as the same
+    /// failure is anywhere else; anything else is the schema's.
+    pub fn from_migration(backend: &str, e: sqlx::migrate::MigrateError) -> Error {
+        use sqlx::migrate::MigrateError;
+        let said = e.to_string();
+        match e {
+            MigrateError::Execute(inner) | MigrateError::ExecuteMigration(inner, _) => {
+                match Error::from_sqlx(inner) {
+                    Error::Unavailable(m) => {
+                        Error::Unavailable(format!("migrating the {backend} database failed: {m}"))
+                    }
+                    _ => {
+                        Error::Database(format!("migrating the {backend} database failed: {said}"))
+                    }
+                }
+            }
+            _ => Error::Database(format!("migrating the {backend} database failed: {said}")),
+        }
+    }
+
     /// Classifies a driver error: connection-level failures are
     /// [`Error::Unavailable`] (retryable), the rest [`Error::Database`].
     pub fn from_sqlx(e: sqlx::Error) -> Error {
@@ -316,6 +337,38 @@ pub fn quoted(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A connection lost while the schema is brought up to date is the
+    /// storage's, as anywhere else (exit 4, retried by `import`); a schema
+    /// that disagrees with the migrations is not.
+    #[test]
+    fn a_connection_lost_while_migrating_is_unavailable() {
+        use sqlx::migrate::MigrateError;
+        let reset = || {
+            sqlx::Error::Io(std::io::Error::new(
+                std::io::ErrorKind::ConnectionReset,
+                "Connection reset by peer",
+            ))
+        };
+        for e in [
+            MigrateError::Execute(reset()),
+            MigrateError::ExecuteMigration(reset(), 3),
+        ] {
+            match Error::from_migration("PostgreSQL", e) {
+                Error::Unavailable(m) => {
+                    assert!(
+                        m.starts_with("migrating the PostgreSQL database failed: the connection"),
+                        "{m}"
+                    )
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert!(matches!(
+            Error::from_migration("SQLite", MigrateError::VersionMissing(2)),
+            Error::Database(_)
+        ));
+    }
 
     /// Driver failures are said as what happened, not in sqlx's words.
     #[test]

@@ -12,10 +12,13 @@ fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                // sqlx's "slow statement" warnings quote the store's SQL:
+                // sqlx's warnings (slow statements quoting the store's SQL,
+                // a pooled connection that failed its test on release) are
                 // an operator's concern (RUST_LOG=sqlx=warn shows them),
-                // not a CLI user's, who sees a busy store as a slow command.
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,sqlx::query=error")),
+                // not a CLI user's: the command's outcome is its one
+                // sentence on stderr, and a connection the pool dropped
+                // and replaced cost nothing.
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,sqlx=error")),
         )
         .with_writer(std::io::stderr)
         // Colours only for a person at a terminal: a log file or a

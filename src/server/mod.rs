@@ -279,13 +279,15 @@ impl Server {
         drop(listener);
         info!("shutting down: finishing in-flight requests");
         inner.shutdown.send_replace(true);
+        // One grace for both waits: shutdown takes at most --shutdown-grace.
+        let deadline = tokio::time::Instant::now() + grace;
         tokio::select! {
             () = connections.shutdown() => {}
-            () = tokio::time::sleep(grace) => warn!(grace_s = grace.as_secs_f64(), "requests still open after the shutdown grace; closing them"),
+            () = tokio::time::sleep_until(deadline) => warn!(grace_s = grace.as_secs_f64(), "requests still open after the shutdown grace; closing them"),
         }
         // Appends run in their own tasks (a client hanging up must not cut
         // one off); wait for the last to commit or fail.
-        if tokio::time::timeout(grace, inner.appends.write())
+        if tokio::time::timeout_at(deadline, inner.appends.write())
             .await
             .is_err()
         {

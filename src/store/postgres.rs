@@ -211,7 +211,7 @@ impl PgBackend {
         MIGRATOR
             .run(&self.pool)
             .await
-            .map_err(|e| Error::Database(format!("migrating the PostgreSQL database failed: {e}")))
+            .map_err(|e| Error::from_migration("PostgreSQL", e))
     }
 
     pub(crate) async fn begin_write(&self) -> Result<PgTx> {

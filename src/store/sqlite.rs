@@ -516,11 +516,7 @@ impl SqliteBackend {
                     tracing::debug!(cause = %e, attempt, "SQLite migration raced; retrying");
                     tokio::time::sleep(Duration::from_millis(50 * attempt)).await;
                 }
-                Err(e) => {
-                    return Err(Error::Database(format!(
-                        "migrating the SQLite database failed: {e}"
-                    )))
-                }
+                Err(e) => return Err(Error::from_migration("SQLite", e)),
             }
         }
     }
