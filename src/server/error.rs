@@ -21,9 +21,12 @@ pub struct ErrorBody {
     /// A stable code: `unauthorized`, `forbidden`, `not_found`,
     /// `method_not_allowed`, `bad_request`, `unsupported_media_type`,
     /// `payload_too_large`, `invalid`, `seq_out_of_range`,
-    /// `prompt_out_of_range`, `conflict`, `unavailable`, `timeout`,
+    /// `prompt_out_of_range`, `conflict`, `unavailable`, `timeout`, `busy`,
     /// `internal`. Any route may also answer 405 `method_not_allowed` to a
-    /// method it does not take, and 503 `unavailable` or `timeout`.
+    /// method it does not take, and 503 `unavailable`, `timeout` or `busy`.
+    /// (A request the HTTP layer cannot read as one, such as a request line
+    /// over 64 KiB (414), too many headers (431) or a garbled request line
+    /// (400), is answered before any route, with an empty body.)
     pub error: String,
     /// One sentence saying what is wrong.
     pub message: String,
@@ -119,11 +122,13 @@ impl From<Error> for ApiError {
             ),
             Error::Unavailable(_) | Error::RetriesExhausted { .. } => {
                 warn!(cause = %e, "storage unavailable");
-                ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "unavailable",
-                    "the database is unavailable; try again shortly",
-                )
+                // The one cause a client's operator can act on without
+                // the server's log; other causes may name paths and hosts.
+                let message = match e.to_string().contains("disk is full") {
+                    true => "the database's disk is full; nothing was stored; try again once space is freed",
+                    false => "the database is unavailable; try again shortly",
+                };
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message)
             }
             // `NotAStore` is found when the server opens its store, before
             // it serves anything.
@@ -150,5 +155,32 @@ impl IntoResponse for ApiError {
             );
         }
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A full disk is said to the client (its operator can act on it); other
+    /// storage failures stay generic, since their causes may name paths.
+    #[test]
+    fn a_full_disk_is_named_and_other_causes_are_not() {
+        let full = ApiError::from(Error::Unavailable("database or disk is full".into()));
+        assert_eq!(full.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(
+            full.body.message.contains("disk is full"),
+            "{}",
+            full.body.message
+        );
+        let other = ApiError::from(Error::Unavailable(
+            "cannot read /srv/secret/path.db: locked".into(),
+        ));
+        assert_eq!(other.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(
+            !other.body.message.contains("/srv"),
+            "{}",
+            other.body.message
+        );
     }
 }
