@@ -46,10 +46,10 @@ fn draw(report: &Report, path: &Path) -> Result<(), Box<dyn std::error::Error>> 
     } else {
         (100.0, 10_000_000.0)
     };
-    // The bottom at a power of ten, so that the axis has a labelled tick
-    // below the smallest reads (sub-millisecond on SQLite).
+    // The bottom just under a power of ten, so that the axis has a
+    // labelled tick below the smallest reads (sub-millisecond on SQLite).
     let (y_min, y_max) = if y_min < y_max {
-        (10f64.powf((y_min / 2.0).log10().floor()), y_max * 2.0)
+        (0.8 * 10f64.powf((y_min / 2.0).log10().floor()), y_max * 2.0)
     } else {
         (0.01, 100_000.0)
     };
