@@ -353,6 +353,9 @@ both_backends!(
             "/v1/audit/events?limit=5000",
             "/v1/audit/changes?change=maybe",
             "/v1/audit/events?since=2026-02-01T00:00:00Z&until=2026-01-01T00:00:00Z",
+            "/v1/audit/events?after=-1",
+            "/v1/audit/events?from_position=-1",
+            "/v1/audit/events?from_position=10&to_position=5",
         ] {
             let (s, v) = get(&app, bad, A_AUDITOR).await;
             assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY, "{bad}: {v}");

@@ -461,6 +461,28 @@ impl Store {
     /// One page of events across sessions (`audit events`).
     pub async fn audit_events(&self, q: &EventQuery) -> Result<EventPage> {
         q.scope.check()?;
+        // Positions start at 1 and the cursor at 0, as `after_seq` on the
+        // session routes: a negative one is a mistake, not "from the start".
+        for (field, value) in [
+            ("after", Some(q.after_position)),
+            ("from_position", q.from_position),
+            ("to_position", q.to_position),
+        ] {
+            if let Some(v) = value.filter(|v| *v < 0) {
+                return Err(bad(
+                    field,
+                    format!("`{field}` must be a position, 0 or more, not {v}"),
+                ));
+            }
+        }
+        if let (Some(from), Some(to)) = (q.from_position, q.to_position) {
+            if from > to {
+                return Err(bad(
+                    "to_position",
+                    format!("`to_position` ({to}) must not be below `from_position` ({from})"),
+                ));
+            }
+        }
         if let Some(t) = &q.event_type {
             if !EVENT_TYPES.contains(&t.as_str()) {
                 return Err(bad(
