@@ -353,8 +353,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = crate::server::DEFAULT_MAX_CONNECTIONS as u32, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_connections: u32,
     /// Bytes of answers held for clients that have not read them yet (of
-    /// answers of 64 KiB or more); an answer that finds them spent waits,
-    /// then answers 503 `busy`. At least 1 MiB.
+    /// answers of 64 KiB or more); an answer that finds them spent answers
+    /// 503 `busy`. At least 1 MiB.
     #[arg(long, default_value_t = crate::server::DEFAULT_RESPONSE_MEMORY as u64, value_parser = clap::value_parser!(u64).range(1 << 20..))]
     pub response_memory: u64,
 }

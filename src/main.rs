@@ -9,16 +9,20 @@ use session_store::cli::{run, Cli};
 
 fn main() {
     let cli = Cli::parse();
+    // sqlx's warnings (a pooled connection that failed its test on
+    // release, PostgreSQL's notices) are an operator's concern, so `serve`
+    // logs them; a one-shot command's outcome is its one sentence on
+    // stderr, and a connection the pool dropped and replaced cost it
+    // nothing (RUST_LOG=sqlx=warn shows them). Slow-statement warnings
+    // quote the store's SQL and are left out of both.
+    let default_filter = match cli.command {
+        session_store::cli::Command::Serve(_) => "warn,sqlx::query=error",
+        _ => "warn,sqlx=error",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                // sqlx's warnings (slow statements quoting the store's SQL,
-                // a pooled connection that failed its test on release) are
-                // an operator's concern (RUST_LOG=sqlx=warn shows them),
-                // not a CLI user's: the command's outcome is its one
-                // sentence on stderr, and a connection the pool dropped
-                // and replaced cost nothing.
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,sqlx=error")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
         )
         .with_writer(std::io::stderr)
         // Colours only for a person at a terminal: a log file or a

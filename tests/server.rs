@@ -1155,8 +1155,8 @@ async fn answers_their_clients_do_not_read_are_held_within_the_response_memory()
     // A client that asks for a large page and never reads it holds the
     // made answer; fifteen such clients took a server to 5 GB. Held
     // answers now count against --response-memory: one that finds it
-    // spent waits up to the request timeout, then answers 503 `busy`;
-    // small answers go on; and once the reader reads, the memory is free.
+    // spent answers 503 `busy` (and /metrics counts it so); small and HEAD
+    // answers go on; and once the reader reads, the memory is free.
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let dir = tempfile::tempdir().unwrap();
     let store = store_in(&dir).await;
@@ -1175,7 +1175,6 @@ async fn answers_their_clients_do_not_read_are_held_within_the_response_memory()
     let server = Server::new(
         store,
         ServerConfig {
-            request_timeout: Duration::from_secs(2),
             response_memory: 4 << 20,
             ..ServerConfig::default()
         },
@@ -1210,12 +1209,36 @@ async fn answers_their_clients_do_not_read_are_held_within_the_response_memory()
     );
     assert!(text.contains("\"busy\""), "{text}");
 
+    // A HEAD answer has no body to hold: not busy.
+    let mut head = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!(
+        "HEAD /v1/sessions/{s}/events?limit=3 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    );
+    head.write_all(request.as_bytes()).await.unwrap();
+    let head = answer(head).await;
+    assert!(
+        head.starts_with(b"HTTP/1.1 200"),
+        "{:?}",
+        String::from_utf8_lossy(&head)
+    );
+
     let small = answer(ask(format!("/v1/sessions/{s}/activations")).await).await;
     assert!(small.starts_with(b"HTTP/1.1 200"));
 
     let whole = answer(unread).await;
     assert!(whole.starts_with(b"HTTP/1.1 200"));
     assert!(whole.len() > 24_000_000, "{} bytes", whole.len());
+
+    let metrics = answer(ask("/metrics".to_owned()).await).await;
+    let metrics = String::from_utf8_lossy(&metrics);
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.contains("route=\"/v1/sessions/{id}/events\"")
+                && l.contains("status=\"503\"")
+                && l.contains("_count")),
+        "{metrics}"
+    );
 
     let again = answer(ask(format!("/v1/sessions/{s}/events?limit=3")).await).await;
     assert!(

@@ -1153,28 +1153,23 @@ async fn an_append_on_a_closed_store_is_not_retried() {
     );
 }
 
-/// A process killed while it created a SQLite store can leave a hot
-/// rollback journal (the store is not in WAL mode yet). The next process
-/// must roll it back and go on, not fail every command with "attempt to
-/// write a readonly database" (found by killing `append` at random
-/// moments of a new store's creation). The state is made here by copying
-/// a file and its journal while a transaction that wrote them is open.
-#[tokio::test]
-async fn a_hot_journal_left_by_a_killed_store_creation_is_rolled_back() {
+/// A copy of a SQLite file in rollback-journal mode with a hot journal, as
+/// a process killed mid-transaction leaves it: `committed` runs first, then
+/// a transaction that spills pages into the file (and their originals into
+/// the journal) is copied while open. Returns the copy's path.
+async fn copy_with_hot_journal(dir: &std::path::Path, committed: &str) -> std::path::PathBuf {
     use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode};
     use sqlx::{ConnectOptions, Connection};
-    let dir = tempfile::tempdir().unwrap();
-    let (src, dst) = (dir.path().join("src.db"), dir.path().join("store.db"));
+    let (src, dst) = (dir.join("src.db"), dir.join("store.db"));
     let mut writer = SqliteConnectOptions::new()
         .filename(&src)
         .create_if_missing(true)
         .journal_mode(SqliteJournalMode::Delete)
-        // A small cache, so the open transaction spills its pages into the
-        // file (and their originals into the journal) before it commits.
         .pragma("cache_size", "10")
         .connect()
         .await
         .unwrap();
+    sqlx::raw_sql(committed).execute(&mut writer).await.unwrap();
     sqlx::raw_sql(
         "BEGIN IMMEDIATE;
          CREATE TABLE half_made (x BLOB);
@@ -1184,7 +1179,6 @@ async fn a_hot_journal_left_by_a_killed_store_creation_is_rolled_back() {
     .execute(&mut writer)
     .await
     .unwrap();
-    let journal = |p: &std::path::Path| p.with_extension("db-journal");
     assert!(std::fs::metadata(journal(&src)).unwrap().len() > 0);
     std::fs::copy(&src, &dst).unwrap();
     std::fs::copy(journal(&src), journal(&dst)).unwrap();
@@ -1193,7 +1187,24 @@ async fn a_hot_journal_left_by_a_killed_store_creation_is_rolled_back() {
         .await
         .unwrap();
     writer.close().await.unwrap();
+    dst
+}
 
+fn journal(db: &std::path::Path) -> std::path::PathBuf {
+    db.with_extension("db-journal")
+}
+
+/// A process killed while it created a SQLite store can leave a hot
+/// rollback journal (the store is not in WAL mode yet). The next process
+/// must roll it back and go on, not fail every command with "attempt to
+/// write a readonly database" (found by killing `append` at random
+/// moments of a new store's creation).
+#[tokio::test]
+async fn a_hot_journal_left_by_a_killed_store_creation_is_rolled_back() {
+    use sqlx::sqlite::SqliteConnectOptions;
+    use sqlx::{ConnectOptions, Connection};
+    let dir = tempfile::tempdir().unwrap();
+    let dst = copy_with_hot_journal(dir.path(), "SELECT 1").await;
     let url = format!("sqlite://{}", dst.display());
     let store = Store::open(&url).await.expect("the journal is rolled back");
     let s = Uuid::new_v4();
@@ -1214,4 +1225,39 @@ async fn a_hot_journal_left_by_a_killed_store_creation_is_rolled_back() {
     assert_eq!(left, 0);
     conn.close().await.unwrap();
     assert!(!journal(&dst).exists());
+}
+
+/// The check before opening honours `mode=ro` (nothing is written, the hot
+/// journal stays), and says what opening did to another application's
+/// database with a hot journal (SQLite rolled it back) instead of claiming
+/// it was left unchanged.
+#[tokio::test]
+async fn the_file_check_keeps_mode_ro_and_says_when_sqlite_rolled_a_journal_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let dst = copy_with_hot_journal(dir.path(), "CREATE TABLE keep (x)").await;
+    let (size, journal_size) = (
+        std::fs::metadata(&dst).unwrap().len(),
+        std::fs::metadata(journal(&dst)).unwrap().len(),
+    );
+    let read_only = session_store::StoreOptions {
+        create_if_missing: false,
+        ..Default::default()
+    };
+    let url = format!("sqlite://{}?mode=ro", dst.display());
+    assert!(Store::open_with(&url, read_only).await.is_err());
+    assert_eq!(std::fs::metadata(&dst).unwrap().len(), size);
+    assert_eq!(
+        std::fs::metadata(journal(&dst)).unwrap().len(),
+        journal_size
+    );
+
+    let url = format!("sqlite://{}", dst.display());
+    let Err(Error::NotAStore(m)) = Store::open(&url).await else {
+        panic!("another application's database is not a store")
+    };
+    assert!(
+        m.contains("tables: keep") && m.contains("rolled back"),
+        "{m}"
+    );
+    assert!(!m.contains("left unchanged"), "{m}");
 }

@@ -124,7 +124,12 @@ impl From<Error> for ApiError {
                 warn!(cause = %e, "storage unavailable");
                 // The one cause a client's operator can act on without
                 // the server's log; other causes may name paths and hosts.
-                let message = match e.to_string().contains("disk is full") {
+                // SQLite: "database or disk is full"; PostgreSQL (class 53):
+                // "… No space left on device".
+                let said = e.to_string();
+                let full =
+                    said.contains("disk is full") || said.contains("No space left on device");
+                let message = match full {
                     true => "the database's disk is full; nothing was stored; try again once space is freed",
                     false => "the database is unavailable; try again shortly",
                 };
@@ -172,6 +177,14 @@ mod tests {
             full.body.message.contains("disk is full"),
             "{}",
             full.body.message
+        );
+        let pg = ApiError::from(Error::Unavailable(
+            "could not extend file \"base/5/16384\": No space left on device".into(),
+        ));
+        assert!(
+            pg.body.message.contains("disk is full"),
+            "{}",
+            pg.body.message
         );
         let other = ApiError::from(Error::Unavailable(
             "cannot read /srv/secret/path.db: locked".into(),

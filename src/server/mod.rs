@@ -101,9 +101,9 @@ pub struct ServerConfig {
     /// held for their clients at once. An answer is held until its client
     /// has read it, so clients that ask for large answers and do not read
     /// them could otherwise hold the server's memory without bound; an
-    /// answer that finds the budget spent waits for it, up to the request
-    /// timeout, then answers 503 `busy`. Streamed answers (`/stream`,
-    /// `/refreshes`) hold a page at a time and are not counted.
+    /// answer that finds the budget spent answers 503 `busy` at once.
+    /// Streamed answers (`/stream`, `/refreshes`) hold a page at a time and
+    /// are not counted.
     pub response_memory: usize,
 }
 
@@ -190,6 +190,12 @@ impl Server {
             .route("/readyz", get(readyz))
             .route("/metrics", get(metrics_text))
             .route("/openapi.json", get(openapi_doc))
+            // Inside `track`, so that a `busy` answer is counted as the
+            // 503 it is.
+            .route_layer(middleware::from_fn_with_state(
+                self.clone(),
+                within_response_memory,
+            ))
             .route_layer(middleware::from_fn_with_state(self.clone(), track))
             .fallback(not_found_route)
             .method_not_allowed_fallback(method_not_allowed)
@@ -197,10 +203,6 @@ impl Server {
             .layer(middleware::from_fn(move |req: Request, next: Next| {
                 with_timeout(timeout, req, next)
             }))
-            .layer(middleware::from_fn_with_state(
-                self.clone(),
-                within_response_memory,
-            ))
             .layer(middleware::from_fn(move |req: Request, next: Next| {
                 refuse_announced_size(limit, req, next)
             }))
@@ -349,36 +351,35 @@ fn response_kib_total(config: &ServerConfig) -> usize {
 
 /// Holds a made answer of 64 KiB or more against the response memory
 /// until its client has read it (see [`ServerConfig::response_memory`]).
-/// An answer larger than the whole budget waits for all of it, so it is
-/// still served, alone.
+/// An answer that finds the budget spent is dropped at once and answered
+/// 503 `busy`: waiting would keep it in memory uncounted (answers are made
+/// before their size is known), and a queue would hold small answers up
+/// behind a large one. An answer larger than the whole budget takes all of
+/// it, so it is still served, alone. A `HEAD` answer has no body to hold.
 async fn within_response_memory(
     State(server): State<Server>,
     req: Request,
     next: Next,
 ) -> Response {
     use hyper::body::Body as _;
+    let head = req.method() == axum::http::Method::HEAD;
     let response = next.run(req).await;
     let Some(size) = response.body().size_hint().exact() else {
         return response; // streamed: holds a page at a time
     };
     let size = usize::try_from(size).unwrap_or(usize::MAX);
-    if size < UNCOUNTED_RESPONSE {
+    if head || size < UNCOUNTED_RESPONSE {
         return response;
     }
     let inner = &server.inner;
     let kib = size.div_ceil(1024).min(response_kib_total(&inner.config));
-    let wait = inner.config.request_timeout;
-    let permit = match tokio::time::timeout(
-        wait,
-        inner
-            .response_kib
-            .clone()
-            .acquire_many_owned(u32::try_from(kib).unwrap_or(u32::MAX)),
-    )
-    .await
+    let permit = match inner
+        .response_kib
+        .clone()
+        .try_acquire_many_owned(u32::try_from(kib).unwrap_or(u32::MAX))
     {
-        Ok(Ok(permit)) => permit,
-        _ => {
+        Ok(permit) => permit,
+        Err(_) => {
             warn!(bytes = size, "an answer found the response memory spent");
             return ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,

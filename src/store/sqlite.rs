@@ -275,9 +275,12 @@ fn check_parent(path: &str) -> Result<()> {
 /// not happen to another application's database named by mistake.
 /// - A missing file is created only when `create` is set (the CLI's
 ///   commands that only read do not set it).
-/// - An existing file is read first through a read-only connection: it
-///   must be empty, or a SQLite database with no tables but the store's
-///   (all of them, or the first ones while another process migrates it).
+/// - An existing file is read first, through a connection that never
+///   creates (and is read-only where the URL says `mode=ro` or the file
+///   allows no writes): it must be empty, or a SQLite database with no
+///   tables but the store's (all of them, or the first ones while another
+///   process migrates it). Reading it lets SQLite roll back a transaction
+///   a killed process left in its `-journal` file, as any opening would.
 async fn check_file(url: &str, create: bool) -> Result<()> {
     // The file the driver will open: its URL parser percent-decodes the
     // path and reads `?mode=…` options.
@@ -331,7 +334,9 @@ async fn check_file(url: &str, create: bool) -> Result<()> {
     let options = SqliteConnectOptions::new()
         .filename(file)
         .create_if_missing(false)
+        .read_only(query.split('&').any(|o| o == "mode=ro"))
         .busy_timeout(Duration::from_secs(10));
+    let had_journal = std::path::Path::new(&format!("{path}-journal")).exists();
     // Only "not a database" (SQLITE_NOTADB) says what the file is; a
     // permission, lock or I/O failure is the storage's, said as such.
     let not_sqlite = |e: sqlx::Error| {
@@ -383,8 +388,12 @@ async fn check_file(url: &str, create: bool) -> Result<()> {
     if foreign.len() > 5 {
         listed.push("…");
     }
+    let left = match had_journal {
+        true => "SQLite rolled back the unfinished transaction it found in its -journal file, as any program opening it would, and changed nothing else",
+        false => "it was left unchanged",
+    };
     Err(Error::NotAStore(format!(
-        "{path} is a SQLite database of something else (tables: {}), not a session store; it was left unchanged",
+        "{path} is a SQLite database of something else (tables: {}), not a session store; {left}",
         listed.join(", ")
     )))
 }
