@@ -45,6 +45,12 @@ pub struct Cli {
           value_parser = parse_max_event_bytes)]
     pub max_event_bytes: usize,
 
+    /// Seconds one write of `import` or `append` (a batch) may take before
+    /// the command exits 4 saying it could not be confirmed stored: a
+    /// database that stops answering is said, not waited on without end.
+    #[arg(long, default_value = "30", global = true, value_parser = parse_seconds)]
+    pub write_timeout: std::time::Duration,
+
     /// The command to run.
     #[command(subcommand)]
     pub command: Command,
@@ -518,6 +524,10 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
     let options = StoreOptions {
         max_event_bytes: cli.max_event_bytes,
         fault_pause_after_commit: pause_after_commit,
+        // The writes of one-shot commands; `serve` has its request timeout
+        // and lets an append that outlives it run to its commit.
+        write_deadline: matches!(cli.command, Command::Import { .. } | Command::Append { .. })
+            .then_some(cli.write_timeout),
         // Only the commands that write make a new SQLite file; the others
         // say that there is no store at a mistyped path.
         // (`tail --follow` too: it waits for the store's first events,

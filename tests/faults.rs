@@ -605,14 +605,7 @@ async fn postgres_an_import_cut_off_names_the_lines_not_stored() {
     let Some(server) = own_server() else { return };
     let store = Store::open(&server.url()).await.unwrap();
     let session = Uuid::new_v4();
-    let mut lines = vec![format!(
-        r#"{{"session_id":"{session}","type":"session_started","mode":"a"}}"#
-    )];
-    for i in 1..1_000 {
-        lines.push(format!(
-            r#"{{"session_id":"{session}","type":"prompt_submitted","text":"p{i}"}}"#
-        ));
-    }
+    let lines = import_lines(session);
     // The server stops once the first run of 500 lines is stored and the
     // second is being read.
     let input = lines.into_iter().enumerate().map(|(i, l)| {
@@ -633,4 +626,97 @@ async fn postgres_an_import_cut_off_names_the_lines_not_stored() {
             && said.ends_with("the 500 events before it are stored"),
         "{said}"
     );
+}
+
+/// The postmaster's and its children's pids, for signals.
+fn server_pids(server: &common::PgServer) -> Vec<String> {
+    let pid_file = std::fs::read_to_string(server.dir.join("data/postmaster.pid")).unwrap();
+    let postmaster = pid_file.lines().next().unwrap().trim().to_owned();
+    let mut pids = vec![postmaster.clone()];
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        // "pid (comm) state ppid …": the comm may hold spaces and parens.
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1));
+        if ppid == Some(postmaster.as_str()) {
+            pids.push(entry.file_name().to_string_lossy().into_owned());
+        }
+    }
+    pids
+}
+
+/// Continues a stopped server whatever the test's outcome.
+struct Continue(Vec<String>);
+
+impl Drop for Continue {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("kill")
+            .arg("-CONT")
+            .args(&self.0)
+            .status();
+    }
+}
+
+/// A server that stops answering in the middle of an import (SIGSTOP: the
+/// kernel still acknowledges its packets, so no connection error ever
+/// comes) is said within seconds (SEMANTICS §9: exit 4), naming the lines
+/// not confirmed stored, instead of being waited on until it resumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_server_that_stops_answering_mid_import_is_said_within_seconds() {
+    let Some(server) = own_server() else { return };
+    let options = session_store::StoreOptions {
+        write_deadline: Some(Duration::from_secs(2)),
+        ..Default::default()
+    };
+    let store = Store::open_with(&server.url(), options).await.unwrap();
+    let session = Uuid::new_v4();
+    let lines = import_lines(session);
+    // The server stops once the first run of 500 lines is stored.
+    let mut stopped = None;
+    let input = lines.into_iter().enumerate().map(|(i, l)| {
+        if i == 700 {
+            let pids = server_pids(&server);
+            let status = std::process::Command::new("kill")
+                .arg("-STOP")
+                .args(&pids)
+                .status()
+                .unwrap();
+            assert!(status.success());
+            stopped = Some(Continue(pids));
+        }
+        Ok((i + 1, l))
+    });
+    let started = std::time::Instant::now();
+    let err = session_store::cli::import(&store, input, 1 << 20)
+        .await
+        .unwrap_err();
+    let took = started.elapsed();
+    drop(stopped);
+    let said = err.to_string();
+    assert_eq!(err.exit_code(), 4, "{said}");
+    assert!(
+        said.starts_with(&format!(
+            "lines 501–1000 (session {session}) could not be confirmed stored: "
+        )) && said.contains("within 2 s"),
+        "{said}"
+    );
+    assert!(took < Duration::from_secs(20), "said after {took:?}");
+    // Resumed, the server has the first run and the store goes on.
+    let stored = store.history(session, 0, 1_000).await.unwrap();
+    assert_eq!(stored.len(), 500);
+}
+
+/// 1 000 import lines of one session: a start and 999 prompts (two runs of
+/// 500 for `import`).
+fn import_lines(session: Uuid) -> Vec<String> {
+    let mut lines = vec![format!(
+        r#"{{"session_id":"{session}","type":"session_started","mode":"a"}}"#
+    )];
+    for i in 1..1_000 {
+        lines.push(format!(
+            r#"{{"session_id":"{session}","type":"prompt_submitted","text":"p{i}"}}"#
+        ));
+    }
+    lines
 }

@@ -97,6 +97,12 @@ pub struct StoreOptions {
     /// after the commit), then the count stops at 0.
     #[doc(hidden)]
     pub fault_lose_replies: Option<std::sync::Arc<std::sync::atomic::AtomicUsize>>,
+    /// The longest one append may take, queue and commit included, before
+    /// it answers [`Error::Unavailable`] (it may still have committed).
+    /// `None` (the default) waits as long as the database takes; the CLI's
+    /// `import` and `append` set `--write-timeout`, so that a database that
+    /// stops answering is said within seconds (SEMANTICS §9).
+    pub write_deadline: Option<std::time::Duration>,
     /// Whether opening a SQLite path that does not exist creates the store
     /// there (the default). The CLI's commands that only read set it to
     /// `false`, so a mistyped path is an error, not a new empty store.
@@ -111,6 +117,7 @@ impl Default for StoreOptions {
             fault_pause_before_commit: None,
             fault_pause_after_commit: None,
             fault_lose_replies: None,
+            write_deadline: None,
             create_if_missing: true,
         }
     }
@@ -865,6 +872,34 @@ impl Store {
     /// batch) after the commit: it is moved, never cloned (a clone costs the
     /// whole window, and used to cost every call of the session).
     async fn append_inner(
+        &self,
+        tenant: Option<&str>,
+        session_id: Uuid,
+        expected_seq: Option<i64>,
+        events: Vec<NewEvent>,
+    ) -> Result<AppendOutcome> {
+        let append = self.append_once(tenant, session_id, expected_seq, events);
+        let Some(deadline) = self.options.write_deadline else {
+            return append.await;
+        };
+        // A database that stops answering (a stopped server, a network
+        // that drops packets) would otherwise be waited on without end:
+        // the kernel acknowledges a stopped server's packets, and sqlx has
+        // no read timeout. Dropping the append is safe (it is cancel-safe,
+        // and an uncommitted transaction rolls back), but its commit may
+        // have gone through unseen.
+        tokio::time::timeout(deadline, append)
+            .await
+            .unwrap_or_else(|_| {
+                Err(Error::Unavailable(format!(
+                    "the database did not finish the append within {} s; it may or may not be stored, so retry it with the same event ids",
+                    deadline.as_secs_f64()
+                )))
+            })
+    }
+
+    /// [`Store::append_inner`] without its deadline.
+    async fn append_once(
         &self,
         tenant: Option<&str>,
         session_id: Uuid,
