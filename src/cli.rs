@@ -567,9 +567,20 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
         }
         _ => None,
     };
+    let write_timeout = cli.write_timeout;
     let store = Store::open_with(&cli.database, options).await?;
     let result = run_on(&store, cli.command, cli.max_event_bytes, input, out).await;
-    store.close().await;
+    // Closing waits for the writer connection, which after a write that
+    // timed out may still be inside SQLite's wait for another process's
+    // lock (10 s) or a stalled database: the command's answer is given,
+    // and what was not committed rolls back without us, so the wait is
+    // bounded (exit closes the files).
+    if tokio::time::timeout(write_timeout, store.close())
+        .await
+        .is_err()
+    {
+        tracing::debug!("the store did not close within --write-timeout; exiting without waiting");
+    }
     result
 }
 

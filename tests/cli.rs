@@ -1487,3 +1487,42 @@ fn a_named_pipe_is_read_once_and_a_closed_output_keeps_the_verdict() {
     let out = child.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(5), "{}", stderr(&out));
 }
+
+/// `--write-timeout` holds on SQLite while another process holds the write
+/// lock: the append answers at its deadline (exit 4), and the command does
+/// not then wait out SQLite's own 10 s wait for the lock while it closes.
+#[test]
+fn a_write_held_up_by_another_process_lock_exits_4_at_the_write_timeout() {
+    let db = common::sqlite_db();
+    let imported = run(&db.url, &["import"], Some(&base_log()));
+    assert_eq!(imported.status.code(), Some(0), "{}", stderr(&imported));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut holder = rt.block_on(async {
+        use sqlx::Connection;
+        let mut c = sqlx::SqliteConnection::connect(&db.url).await.unwrap();
+        sqlx::raw_sql("BEGIN IMMEDIATE")
+            .execute(&mut c)
+            .await
+            .unwrap();
+        c
+    });
+    let t = Instant::now();
+    let out = run(
+        &db.url,
+        &["--write-timeout", "1", "append", S, "--expected-seq", "7"],
+        Some(r#"{"type":"prompt_submitted","text":"late"}"#),
+    );
+    let took = t.elapsed();
+    assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
+    assert!(stderr(&out).contains("within 1 s"), "{}", stderr(&out));
+    assert!(took < Duration::from_secs(6), "exited after {took:?}");
+    rt.block_on(async {
+        sqlx::raw_sql("ROLLBACK")
+            .execute(&mut holder)
+            .await
+            .unwrap();
+    });
+}

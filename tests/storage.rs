@@ -1260,4 +1260,28 @@ async fn the_file_check_keeps_mode_ro_and_says_when_sqlite_rolled_a_journal_back
         "{m}"
     );
     assert!(!m.contains("left unchanged"), "{m}");
+
+    // A journal that holds nothing to roll back (journal_mode=persist
+    // keeps the file, its header zeroed) is not said to have been.
+    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode};
+    use sqlx::{ConnectOptions, Connection};
+    let persisted = dir.path().join("persist.db");
+    let mut c = SqliteConnectOptions::new()
+        .filename(&persisted)
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Persist)
+        .connect()
+        .await
+        .unwrap();
+    sqlx::raw_sql("CREATE TABLE keep (x); INSERT INTO keep VALUES (1);")
+        .execute(&mut c)
+        .await
+        .unwrap();
+    c.close().await.unwrap();
+    assert!(journal(&persisted).exists());
+    let url = format!("sqlite://{}", persisted.display());
+    let Err(Error::NotAStore(m)) = Store::open(&url).await else {
+        panic!("another application's database is not a store")
+    };
+    assert!(m.contains("left unchanged"), "{m}");
 }

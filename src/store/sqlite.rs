@@ -331,12 +331,13 @@ async fn check_file(url: &str, create: bool) -> Result<()> {
     // is on), which the first connection must roll back, and a read-only
     // connection cannot: every command after such a crash failed with
     // "attempt to write a readonly database".
+    let read_only = query.split('&').any(|o| o == "mode=ro");
     let options = SqliteConnectOptions::new()
         .filename(file)
         .create_if_missing(false)
-        .read_only(query.split('&').any(|o| o == "mode=ro"))
+        .read_only(read_only)
         .busy_timeout(Duration::from_secs(10));
-    let had_journal = std::path::Path::new(&format!("{path}-journal")).exists();
+    let hot_journal = !read_only && is_hot_journal(&format!("{path}-journal"));
     // Only "not a database" (SQLITE_NOTADB) says what the file is; a
     // permission, lock or I/O failure is the storage's, said as such.
     let not_sqlite = |e: sqlx::Error| {
@@ -388,7 +389,7 @@ async fn check_file(url: &str, create: bool) -> Result<()> {
     if foreign.len() > 5 {
         listed.push("…");
     }
-    let left = match had_journal {
+    let left = match hot_journal {
         true => "SQLite rolled back the unfinished transaction it found in its -journal file, as any program opening it would, and changed nothing else",
         false => "it was left unchanged",
     };
@@ -396,6 +397,18 @@ async fn check_file(url: &str, create: bool) -> Result<()> {
         "{path} is a SQLite database of something else (tables: {}), not a session store; {left}",
         listed.join(", ")
     )))
+}
+
+/// Whether `journal` holds a transaction to roll back: a rollback journal
+/// whose header still has SQLite's magic number (a committed one is
+/// deleted, truncated or, with `journal_mode=persist`, has its header
+/// zeroed).
+fn is_hot_journal(journal: &str) -> bool {
+    const MAGIC: [u8; 8] = [0xd9, 0xd5, 0x05, 0xf9, 0x20, 0xa1, 0x63, 0xd7];
+    let mut header = [0u8; 8];
+    std::fs::File::open(journal)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut header))
+        .is_ok_and(|()| header == MAGIC)
 }
 
 /// The database's own words for a driver error.
