@@ -45,12 +45,6 @@ pub struct Cli {
           value_parser = parse_max_event_bytes)]
     pub max_event_bytes: usize,
 
-    /// Seconds one write of `import` or `append` (a batch) may take before
-    /// the command exits 4 saying it could not be confirmed stored: a
-    /// database that stops answering is said, not waited on without end.
-    #[arg(long, default_value = "30", global = true, value_parser = parse_seconds)]
-    pub write_timeout: std::time::Duration,
-
     /// The command to run.
     #[command(subcommand)]
     pub command: Command,
@@ -79,6 +73,12 @@ pub enum Command {
         format: ImportFormat,
         /// The file; standard input without it or with `-`.
         file: Option<PathBuf>,
+
+        /// Seconds one write (a batch) may take before the command exits 4
+        /// saying it could not be confirmed stored: a database that stops
+        /// answering is said, not waited on without end.
+        #[arg(long, default_value = "30", value_parser = parse_seconds)]
+        write_timeout: std::time::Duration,
     },
     /// Append one atomic batch of JSON lines to SESSION.
     Append {
@@ -89,6 +89,11 @@ pub enum Command {
         expected_seq: i64,
         /// The JSON-lines file; standard input without it or with `-`.
         file: Option<PathBuf>,
+        /// Seconds one write (a batch) may take before the command exits 4
+        /// saying it could not be confirmed stored: a database that stops
+        /// answering is said, not waited on without end.
+        #[arg(long, default_value = "30", value_parser = parse_seconds)]
+        write_timeout: std::time::Duration,
     },
     /// Print the effective context (SEMANTICS §5).
     Context {
@@ -521,13 +526,18 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
         .ok()
         .and_then(|v| v.parse().ok())
         .map(std::time::Duration::from_millis);
+    let write_timeout = match &cli.command {
+        Command::Import { write_timeout, .. } | Command::Append { write_timeout, .. } => {
+            Some(*write_timeout)
+        }
+        _ => None,
+    };
     let options = StoreOptions {
         max_event_bytes: cli.max_event_bytes,
         fault_pause_after_commit: pause_after_commit,
         // The writes of one-shot commands; `serve` has its request timeout
         // and lets an append that outlives it run to its commit.
-        write_deadline: matches!(cli.command, Command::Import { .. } | Command::Append { .. })
-            .then_some(cli.write_timeout),
+        write_deadline: write_timeout,
         // Only the commands that write make a new SQLite file; the others
         // say that there is no store at a mistyped path.
         // (`tail --follow` too: it waits for the store's first events,
@@ -567,7 +577,6 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
         }
         _ => None,
     };
-    let write_timeout = cli.write_timeout;
     let store = Store::open_with(&cli.database, options).await?;
     let result = run_on(&store, cli.command, cli.max_event_bytes, input, out).await;
     // Closing waits for the writer connection, which after a write that
@@ -575,11 +584,15 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
     // lock (10 s) or a stalled database: the command's answer is given,
     // and what was not committed rolls back without us, so the wait is
     // bounded (exit closes the files).
-    if tokio::time::timeout(write_timeout, store.close())
-        .await
-        .is_err()
-    {
-        tracing::debug!("the store did not close within --write-timeout; exiting without waiting");
+    match write_timeout {
+        Some(t) => {
+            if tokio::time::timeout(t, store.close()).await.is_err() {
+                tracing::debug!(
+                    "the store did not close within --write-timeout; exiting without waiting"
+                );
+            }
+        }
+        None => store.close().await,
     }
     result
 }
@@ -776,6 +789,7 @@ async fn run_on(
         Command::Import {
             format: ImportFormat::Pi,
             file,
+            ..
         } => {
             let lines = read_lines(input(file.as_ref())?)?;
             let session = crate::pi::convert(&lines)?;
@@ -797,6 +811,7 @@ async fn run_on(
         Command::Import {
             format: ImportFormat::Jsonl,
             file,
+            ..
         } => {
             let lines = InputLines::new(input(file.as_ref())?, crate::event::line_limit(max_bytes));
             let summary = import(store, lines, max_bytes).await?;
@@ -813,6 +828,7 @@ async fn run_on(
             session,
             expected_seq,
             file,
+            ..
         } => {
             let session = parse_session(&session)?;
             let lines = InputLines::new(input(file.as_ref())?, crate::event::line_limit(max_bytes));

@@ -1512,7 +1512,7 @@ fn a_write_held_up_by_another_process_lock_exits_4_at_the_write_timeout() {
     let t = Instant::now();
     let out = run(
         &db.url,
-        &["--write-timeout", "1", "append", S, "--expected-seq", "7"],
+        &["append", "--write-timeout", "1", S, "--expected-seq", "7"],
         Some(r#"{"type":"prompt_submitted","text":"late"}"#),
     );
     let took = t.elapsed();
