@@ -271,11 +271,8 @@ pub async fn naive_fold(store: &Store, session: Uuid) -> Result<SessionState, Be
 async fn write_jsonl(store: &Store, session: Uuid, path: &Path) -> Result<u64, BenchError> {
     let io = |e: std::io::Error| BenchError::Setup(format!("writing {}: {e}", path.display()));
     let mut file = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
-    let mut after = 0;
-    loop {
-        let page = store.history(session, after, 5_000).await?;
-        let Some(last) = page.last() else { break };
-        after = last.seq;
+    let mut pages = store.event_pages(session, crate::audit::At::Latest).await?;
+    while let Some(page) = pages.next_page(store).await? {
         for e in &page {
             serde_json::to_writer(&mut file, &e.export_line())
                 .map_err(|e| io(std::io::Error::other(e)))?;
