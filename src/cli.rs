@@ -45,6 +45,13 @@ pub struct Cli {
           value_parser = parse_max_event_bytes)]
     pub max_event_bytes: usize,
 
+    /// Seconds one read of a PostgreSQL store (one round trip) may take
+    /// before the command exits 4: a server that stops answering is said,
+    /// not waited on without end. Long reads (verify, export) make many
+    /// round trips, each bounded.
+    #[arg(long, default_value = "30", global = true, value_parser = parse_seconds)]
+    pub read_timeout: std::time::Duration,
+
     /// The command to run.
     #[command(subcommand)]
     pub command: Command,
@@ -538,6 +545,7 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
         // The writes of one-shot commands; `serve` has its request timeout
         // and lets an append that outlives it run to its commit.
         write_deadline: write_timeout,
+        read_deadline: Some(cli.read_timeout),
         // Only the commands that write make a new SQLite file; the others
         // say that there is no store at a mistyped path.
         // (`tail --follow` too: it waits for the store's first events,
@@ -584,15 +592,9 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
     // lock (10 s) or a stalled database: the command's answer is given,
     // and what was not committed rolls back without us, so the wait is
     // bounded (exit closes the files).
-    match write_timeout {
-        Some(t) => {
-            if tokio::time::timeout(t, store.close()).await.is_err() {
-                tracing::debug!(
-                    "the store did not close within --write-timeout; exiting without waiting"
-                );
-            }
-        }
-        None => store.close().await,
+    let bound = write_timeout.unwrap_or(cli.read_timeout);
+    if tokio::time::timeout(bound, store.close()).await.is_err() {
+        tracing::debug!("the store did not close within its timeout; exiting without waiting");
     }
     result
 }

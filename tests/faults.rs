@@ -649,6 +649,19 @@ fn server_pids(server: &common::PgServer) -> Vec<String> {
 /// Continues a stopped server whatever the test's outcome.
 struct Continue(Vec<String>);
 
+/// Stops the server (SIGSTOP to the postmaster and its children: the
+/// kernel still acknowledges their packets) until the guard is dropped.
+fn stop(server: &common::PgServer) -> Continue {
+    let pids = server_pids(server);
+    let status = std::process::Command::new("kill")
+        .arg("-STOP")
+        .args(&pids)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    Continue(pids)
+}
+
 impl Drop for Continue {
     fn drop(&mut self) {
         let _ = std::process::Command::new("kill")
@@ -676,14 +689,7 @@ async fn postgres_a_server_that_stops_answering_mid_import_is_said_within_second
     let mut stopped = None;
     let input = lines.into_iter().enumerate().map(|(i, l)| {
         if i == 700 {
-            let pids = server_pids(&server);
-            let status = std::process::Command::new("kill")
-                .arg("-STOP")
-                .args(&pids)
-                .status()
-                .unwrap();
-            assert!(status.success());
-            stopped = Some(Continue(pids));
+            stopped = Some(stop(&server));
         }
         Ok((i + 1, l))
     });
@@ -719,4 +725,132 @@ fn import_lines(session: Uuid) -> Vec<String> {
         ));
     }
     lines
+}
+
+/// How long a read took, and its error (a read of a stopped server must
+/// fail).
+async fn failed_read<T: std::fmt::Debug>(
+    read: impl std::future::Future<Output = session_store::Result<T>>,
+) -> (Error, Duration) {
+    let started = Instant::now();
+    let err = read.await.expect_err("a read of a stopped server answered");
+    (err, started.elapsed())
+}
+
+/// A server that stops answering while the store is open and connected
+/// (SIGSTOP: the kernel still acknowledges its packets, so no connection
+/// error ever comes): each read is said as unavailable within seconds
+/// (SEMANTICS §9: exit 4), instead of being waited on until the server
+/// resumes; the pre-request read, a page, a fold (`verify`, `explain`)
+/// and an audit query alike. Resumed, the same store reads again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_reads_of_a_server_that_stops_answering_are_said_within_seconds() {
+    let Some(server) = own_server() else { return };
+    let options = StoreOptions {
+        read_deadline: Some(Duration::from_secs(2)),
+        ..Default::default()
+    };
+    let store = Store::open_with(&server.url(), options).await.unwrap();
+    let session = Uuid::new_v4();
+    store
+        .append(session, 0, vec![started(), prompt("a"), prompt("b")])
+        .await
+        .unwrap();
+    store.clear_cache();
+    let resume = stop(&server);
+    let said = vec![
+        (
+            "activations",
+            failed_read(store.activations(session, None)).await,
+        ),
+        ("history", failed_read(store.history(session, 0, 100)).await),
+        ("verify", failed_read(store.verify(session)).await),
+        (
+            "explain",
+            failed_read(store.explain(session, "web_fetch", session_store::audit::At::Latest))
+                .await,
+        ),
+        (
+            "audit events",
+            failed_read(store.audit_events(&session_store::store::query::EventQuery::default()))
+                .await,
+        ),
+    ];
+    drop(resume);
+    for (read, (err, took)) in said {
+        assert!(
+            matches!(err, Error::Unavailable(_)),
+            "{read}: {err:?} after {took:?}"
+        );
+        // 2 s of the read's deadline; the pool may first wait up to its
+        // 5 s for a connection whose ping got no answer.
+        assert!(
+            took < Duration::from_secs(10),
+            "{read} said after {took:?}: {err}"
+        );
+    }
+    let active = store.activations(session, None).await.unwrap();
+    assert_eq!(active.as_of_seq, 3);
+    assert_eq!(store.verify(session).await.unwrap(), None);
+}
+
+/// The CLI says a server that stops answering in the middle of a long
+/// read within `--read-timeout` (exit 4), here `export` of a 20 000-event
+/// session stopped after its first lines: each page is a round trip of its
+/// own, bounded, and closing the store does not wait for the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_cli_export_cut_off_mid_stream_exits_4_within_its_read_timeout() {
+    use std::io::{BufRead, Read};
+    let Some(server) = own_server() else { return };
+    let store = Store::open(&server.url()).await.unwrap();
+    let session = Uuid::new_v4();
+    let mut seq = 0;
+    for chunk in 0..20 {
+        let mut batch: Vec<NewEvent> = (0..1_000)
+            .map(|i| prompt(&format!("p{chunk}-{i}")))
+            .collect();
+        if chunk == 0 {
+            batch[0] = started();
+        }
+        store.append(session, seq, batch).await.unwrap();
+        seq += 1_000;
+    }
+    store.close().await;
+    let mut export = std::process::Command::new(env!("CARGO_BIN_EXE_session-store"))
+        .args(["--database", &server.url(), "--read-timeout", "2", "export"])
+        .arg(session.to_string())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(export.stdout.take().unwrap()).lines();
+    for _ in 0..1_000 {
+        lines.next().unwrap().unwrap();
+    }
+    let resume = stop(&server);
+    let stopped = Instant::now();
+    let rest = lines.count();
+    let code = export.wait().unwrap().code();
+    let took = stopped.elapsed();
+    drop(resume);
+    let mut said = String::new();
+    export
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut said)
+        .unwrap();
+    assert_eq!(code, Some(4), "{said}");
+    assert!(
+        rest < 19_000,
+        "{rest} more lines: the export was not cut off"
+    );
+    assert!(
+        said.contains("PostgreSQL did not answer a read within 2 s"),
+        "{said}"
+    );
+    assert!(
+        took < Duration::from_secs(10),
+        "said after {took:?}: {said}"
+    );
 }

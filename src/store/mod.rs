@@ -103,6 +103,13 @@ pub struct StoreOptions {
     /// `import` and `append` set `--write-timeout`, so that a database that
     /// stops answering is said within seconds (SEMANTICS §9).
     pub write_deadline: Option<std::time::Duration>,
+    /// The longest one round trip of a read to PostgreSQL may take before
+    /// the read answers [`Error::Unavailable`]. Per round trip, not per
+    /// read: `verify` or a fold at `--at-seq` of a long session make many,
+    /// each bounded. `None` (the default) waits as long as the server
+    /// takes; the CLI sets `--read-timeout`. SQLite reads are local and,
+    /// in WAL mode, wait for no lock, so they are not bounded.
+    pub read_deadline: Option<std::time::Duration>,
     /// Whether opening a SQLite path that does not exist creates the store
     /// there (the default). The CLI's commands that only read set it to
     /// `false`, so a mistyped path is an error, not a new empty store.
@@ -118,6 +125,7 @@ impl Default for StoreOptions {
             fault_pause_after_commit: None,
             fault_lose_replies: None,
             write_deadline: None,
+            read_deadline: None,
             create_if_missing: true,
         }
     }

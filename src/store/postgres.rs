@@ -92,6 +92,32 @@ pub(crate) struct PgBackend {
     /// outside `pool`, so that subscribers (an SSE stream, `tail
     /// --follow`) can never take the connections appends and reads need.
     connect: std::sync::Arc<sqlx::postgres::PgConnectOptions>,
+    /// [`StoreOptions::read_deadline`]: the longest one round trip of a
+    /// read may take.
+    read_deadline: Option<Duration>,
+}
+
+/// Waits for one round trip at most `deadline` (`None`: as long as the
+/// server takes). A server that is stopped or cut off by a network that
+/// drops packets gives no error, and sqlx has no read timeout, so without
+/// a bound a read waits until the connection breaks, which can take the
+/// kernel many minutes (docs/operations.md). Dropping the round trip
+/// drops its connection's state with it: sqlx does not hand a connection
+/// with an unfinished exchange to another caller.
+async fn trip<T>(
+    deadline: Option<Duration>,
+    round_trip: impl std::future::Future<Output = std::result::Result<T, sqlx::Error>>,
+) -> Result<T> {
+    let Some(limit) = deadline else {
+        return round_trip.await.map_err(Error::from_sqlx);
+    };
+    match tokio::time::timeout(limit, round_trip).await {
+        Ok(answer) => answer.map_err(Error::from_sqlx),
+        Err(_) => Err(Error::Unavailable(format!(
+            "PostgreSQL did not answer a read within {} s: the server may be stopped or cut off",
+            limit.as_secs_f64()
+        ))),
+    }
 }
 
 fn decode(row: Row) -> Result<StoredEvent> {
@@ -175,6 +201,7 @@ impl PgBackend {
             Ok(pool) => Ok(PgBackend {
                 pool,
                 connect: std::sync::Arc::new(connect),
+                read_deadline: options.read_deadline,
             }),
             Err(sqlx::Error::PoolTimedOut) => {
                 // The pool's timeout hides why each attempt failed: one
@@ -243,16 +270,19 @@ impl PgBackend {
     /// A read transaction: one snapshot (REPEATABLE READ) for the view,
     /// window and tail; it takes no lock.
     pub(crate) async fn begin_read(&self) -> Result<PgTx> {
-        let tx = self
-            .pool
-            .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
-            .await
-            .map_err(Error::from_sqlx)?;
-        Ok(PgTx::new(tx))
+        let tx = trip(
+            self.read_deadline,
+            self.pool
+                .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"),
+        )
+        .await?;
+        let mut tx = PgTx::new(tx);
+        tx.deadline = self.read_deadline;
+        Ok(tx)
     }
 
     pub(crate) async fn head_seq(&self, session_id: Uuid) -> Result<i64> {
-        head_seq(&self.pool, session_id).await
+        head_seq(&self.pool, self.read_deadline, session_id).await
     }
 
     /// Up to `limit` of the session's events after seq `after`, stopping
@@ -274,7 +304,11 @@ impl PgBackend {
             .bind(after)
             .bind(limit)
             .fetch(&self.pool);
-        super::take_within(&mut rows, max_bytes, |r: &Row| r.4.len(), decode).await
+        let page = super::take_within(&mut rows, max_bytes, |r: &Row| r.4.len(), decode);
+        match self.read_deadline {
+            None => page.await,
+            Some(limit) => trip(Some(limit), async { Ok(page.await) }).await?,
+        }
     }
 
     /// The session's view and the events from its window start on (at
@@ -289,7 +323,7 @@ impl PgBackend {
         // The view as JSON in a row of its own (the last column set), then
         // the events, each part from the same snapshot.
         let rows: Vec<ViewOrEvent> =
-            sqlx::query_as(
+            trip(self.read_deadline, sqlx::query_as(
                 "SELECT 0::BIGINT, v.session_id, 0::BIGINT, v.session_id, '', now(), \
                      json_build_array(v.refresh_seq, v.mode, v.window_start, v.compaction_seq, \
                        v.summary, v.catalogs, v.evidence, v.active)::TEXT \
@@ -304,9 +338,7 @@ impl PgBackend {
             )
             .bind(session_id)
             .bind(after)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(Error::from_sqlx)?;
+            .fetch_all(&self.pool)).await?;
         let mut view = None;
         let mut events = Vec::with_capacity(rows.len());
         for (p, s, q, e, payload, t, json) in rows {
@@ -328,14 +360,16 @@ impl PgBackend {
     }
 
     pub(crate) async fn feed(&self, after: i64, limit: i64) -> Result<Vec<StoredEvent>> {
-        let rows: Vec<Row> = sqlx::query_as(&format!(
-            "SELECT {COLUMNS} FROM events WHERE position > $1 ORDER BY position LIMIT $2"
-        ))
-        .bind(after)
-        .bind(limit)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(Error::from_sqlx)?;
+        let rows: Vec<Row> = trip(
+            self.read_deadline,
+            sqlx::query_as(&format!(
+                "SELECT {COLUMNS} FROM events WHERE position > $1 ORDER BY position LIMIT $2"
+            ))
+            .bind(after)
+            .bind(limit)
+            .fetch_all(&self.pool),
+        )
+        .await?;
         rows.into_iter().map(decode).collect()
     }
 
@@ -356,11 +390,8 @@ impl PgBackend {
         &self,
         mut q: sqlx::QueryBuilder<'static, Postgres>,
     ) -> Result<Vec<StoredEvent>> {
-        let rows: Vec<Row> = q
-            .build_query_as()
-            .fetch_all(&self.pool)
-            .await
-            .map_err(Error::from_sqlx)?;
+        let rows: Vec<Row> =
+            trip(self.read_deadline, q.build_query_as().fetch_all(&self.pool)).await?;
         rows.into_iter().map(decode).collect()
     }
 
@@ -369,11 +400,8 @@ impl PgBackend {
         &self,
         mut q: sqlx::QueryBuilder<'static, Postgres>,
     ) -> Result<Vec<ChangeRow>> {
-        let rows: Vec<PgChange> = q
-            .build_query_as()
-            .fetch_all(&self.pool)
-            .await
-            .map_err(Error::from_sqlx)?;
+        let rows: Vec<PgChange> =
+            trip(self.read_deadline, q.build_query_as().fetch_all(&self.pool)).await?;
         Ok(rows.into_iter().map(decode_change).collect())
     }
 
@@ -382,11 +410,8 @@ impl PgBackend {
         &self,
         mut q: sqlx::QueryBuilder<'static, Postgres>,
     ) -> Result<Vec<String>> {
-        let rows: Vec<(String,)> = q
-            .build_query_as()
-            .fetch_all(&self.pool)
-            .await
-            .map_err(Error::from_sqlx)?;
+        let rows: Vec<(String,)> =
+            trip(self.read_deadline, q.build_query_as().fetch_all(&self.pool)).await?;
         Ok(rows.into_iter().map(|r| r.0).collect())
     }
 
@@ -395,11 +420,8 @@ impl PgBackend {
         &self,
         mut q: sqlx::QueryBuilder<'static, Postgres>,
     ) -> Result<Vec<Uuid>> {
-        let rows: Vec<(Uuid,)> = q
-            .build_query_as()
-            .fetch_all(&self.pool)
-            .await
-            .map_err(Error::from_sqlx)?;
+        let rows: Vec<(Uuid,)> =
+            trip(self.read_deadline, q.build_query_as().fetch_all(&self.pool)).await?;
         Ok(rows.into_iter().map(|(s,)| s).collect())
     }
 
@@ -408,13 +430,18 @@ impl PgBackend {
     }
 }
 
-async fn head_seq<'e, E: sqlx::PgExecutor<'e>>(ex: E, session_id: Uuid) -> Result<i64> {
-    let (seq,): (i64,) =
+async fn head_seq<'e, E: sqlx::PgExecutor<'e>>(
+    ex: E,
+    deadline: Option<Duration>,
+    session_id: Uuid,
+) -> Result<i64> {
+    let (seq,): (i64,) = trip(
+        deadline,
         sqlx::query_as("SELECT COALESCE(MAX(seq), 0)::BIGINT FROM events WHERE session_id = $1")
             .bind(session_id)
-            .fetch_one(ex)
-            .await
-            .map_err(Error::from_sqlx)?;
+            .fetch_one(ex),
+    )
+    .await?;
     Ok(seq)
 }
 
@@ -467,6 +494,10 @@ pub(crate) struct PgTx {
     /// transaction writes the session, and those found.
     calls_asked: HashSet<(Uuid, String)>,
     calls_found: HashMap<(Uuid, String), CallRow>,
+    /// The longest one round trip may take: the store's read deadline in
+    /// a read snapshot, `None` in a write (an append has its own
+    /// deadline, [`StoreOptions::write_deadline`]).
+    deadline: Option<Duration>,
 }
 
 /// The writes of accepted batches not yet sent, merged so that one
@@ -533,6 +564,7 @@ impl PgTx {
             views: HashMap::new(),
             calls_asked: HashSet::new(),
             calls_found: HashMap::new(),
+            deadline: None,
         }
     }
 
@@ -663,10 +695,11 @@ impl PgTx {
             .bind(none.1)
             .bind(none.2)
             .bind(none.3);
-        bind_writes(query, &b, self.unwritten)
-            .execute(self.conn()?)
-            .await
-            .map_err(Error::from_sqlx)?;
+        trip(
+            self.deadline,
+            bind_writes(query, &b, self.unwritten).execute(self.conn()?),
+        )
+        .await?;
         self.unwritten = 0;
         Ok(())
     }
@@ -794,20 +827,23 @@ impl LogTx for PgTx {
         if let Some((seq, _)) = self.heads.get(&session_id) {
             return Ok(*seq);
         }
-        head_seq(self.conn()?, session_id).await
+        let deadline = self.deadline;
+        head_seq(self.conn()?, deadline, session_id).await
     }
 
     async fn head(&mut self, session_id: Uuid) -> Result<(i64, Option<String>)> {
         if let Some(head) = self.heads.get(&session_id) {
             return Ok(head.clone());
         }
-        let row: Option<(i64, Option<String>)> = sqlx::query_as(
-            "SELECT seq, hash FROM events WHERE session_id = $1 ORDER BY seq DESC LIMIT 1",
+        let row: Option<(i64, Option<String>)> = trip(
+            self.deadline,
+            sqlx::query_as(
+                "SELECT seq, hash FROM events WHERE session_id = $1 ORDER BY seq DESC LIMIT 1",
+            )
+            .bind(session_id)
+            .fetch_optional(self.conn()?),
         )
-        .bind(session_id)
-        .fetch_optional(self.conn()?)
-        .await
-        .map_err(Error::from_sqlx)?;
+        .await?;
         Ok(row.unwrap_or((0, None)))
     }
 
@@ -860,7 +896,7 @@ impl LogTx for PgTx {
         // sessions' views and the calls index rows asked for.
         let call_sessions: Vec<Uuid> = calls.iter().map(|c| c.0).collect();
         let call_ids: Vec<&str> = calls.iter().map(|c| c.1).collect();
-        let rows: Vec<JudgeRow> = sqlx::query_as(
+        let rows: Vec<JudgeRow> = trip(self.deadline, sqlx::query_as(
             "SELECT position, session_id, seq, event_id, payload, recorded_at, hash, false, NULL::TEXT \
                  FROM events WHERE event_id = ANY($1) \
                  UNION ALL \
@@ -885,9 +921,7 @@ impl LogTx for PgTx {
         .bind(sessions)
         .bind(call_sessions)
         .bind(call_ids)
-        .fetch_all(self.conn()?)
-        .await
-        .map_err(Error::from_sqlx)?;
+        .fetch_all(self.conn()?)).await?;
         for s in sessions {
             self.heads.insert(*s, (0, None));
         }
@@ -969,27 +1003,27 @@ impl LogTx for PgTx {
         if ids.iter().any(|id| self.buffered.ids.contains(id)) {
             self.flush().await?;
         }
-        let rows: Vec<Row> = sqlx::query_as(&format!(
-            "SELECT {COLUMNS} FROM events WHERE event_id = ANY($1)"
-        ))
-        .bind(ids)
-        .fetch_all(self.conn()?)
-        .await
-        .map_err(Error::from_sqlx)?;
+        let rows: Vec<Row> = trip(
+            self.deadline,
+            sqlx::query_as(&format!(
+                "SELECT {COLUMNS} FROM events WHERE event_id = ANY($1)"
+            ))
+            .bind(ids)
+            .fetch_all(self.conn()?),
+        )
+        .await?;
         rows.into_iter().map(decode).collect()
     }
 
     async fn range(&mut self, session_id: Uuid, after: i64, upto: i64) -> Result<Vec<StoredEvent>> {
         self.flush_for(session_id).await?;
-        let rows: Vec<Row> = sqlx::query_as(&format!(
+        let rows: Vec<Row> = trip(self.deadline, sqlx::query_as(&format!(
             "SELECT {COLUMNS} FROM events WHERE session_id = $1 AND seq > $2 AND seq <= $3 ORDER BY seq"
         ))
         .bind(session_id)
         .bind(after)
         .bind(upto)
-        .fetch_all(self.conn()?)
-        .await
-        .map_err(Error::from_sqlx)?;
+        .fetch_all(self.conn()?)).await?;
         rows.into_iter().map(decode).collect()
     }
 
@@ -1000,11 +1034,12 @@ impl LogTx for PgTx {
         let last = match self.last {
             Some(last) => last,
             None => {
-                let (last,): (i64,) =
+                let (last,): (i64,) = trip(
+                    self.deadline,
                     sqlx::query_as("SELECT last FROM event_position WHERE id = 1")
-                        .fetch_one(self.conn()?)
-                        .await
-                        .map_err(Error::from_sqlx)?;
+                        .fetch_one(self.conn()?),
+                )
+                .await?;
                 last
             }
         };
@@ -1027,7 +1062,7 @@ impl LogTx for PgTx {
         let payloads: Vec<&str> = rows.iter().map(|r| r.payload.as_str()).collect();
         let times: Vec<DateTime<Utc>> = rows.iter().map(|r| r.recorded_at).collect();
         let hashes: Vec<&str> = rows.iter().map(|r| r.hash.as_str()).collect();
-        sqlx::query(
+        trip(self.deadline, sqlx::query(
             "WITH counter AS (UPDATE event_position SET last = last + $9 WHERE id = 1 AND $9 > 0) \
              INSERT INTO events (position, session_id, seq, event_id, type, payload, recorded_at, hash) \
              SELECT * FROM UNNEST($1::BIGINT[], $2::UUID[], $3::BIGINT[], $4::UUID[], $5::TEXT[], $6::TEXT[], $7::TIMESTAMPTZ[], $8::TEXT[])",
@@ -1041,9 +1076,7 @@ impl LogTx for PgTx {
         .bind(times)
         .bind(hashes)
         .bind(self.unwritten)
-        .execute(self.conn()?)
-        .await
-        .map_err(Error::from_sqlx)?;
+        .execute(self.conn()?)).await?;
         self.unwritten = 0;
         Ok(())
     }
@@ -1057,21 +1090,19 @@ impl LogTx for PgTx {
         if let Some(view) = self.views.get(&session_id) {
             return Ok(view.clone());
         }
-        let row: Option<ViewColumns> = sqlx::query_as(
+        let row: Option<ViewColumns> = trip(self.deadline, sqlx::query_as(
             "SELECT refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active \
              FROM session_views WHERE session_id = $1",
         )
         .bind(session_id)
-        .fetch_optional(self.conn()?)
-        .await
-        .map_err(Error::from_sqlx)?;
+        .fetch_optional(self.conn()?)).await?;
         Ok(row.map(|r| ViewRow::from_columns(session_id, r)))
     }
 
     async fn write_view(&mut self, v: &ViewRow) -> Result<()> {
         self.forget(v.session_id);
         self.flush().await?;
-        sqlx::query(
+        trip(self.deadline, sqlx::query(
             "INSERT INTO session_views \
              (session_id, refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active) \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
@@ -1089,9 +1120,7 @@ impl LogTx for PgTx {
         .bind(&v.catalogs)
         .bind(&v.evidence)
         .bind(&v.active)
-        .execute(self.conn()?)
-        .await
-        .map_err(Error::from_sqlx)?;
+        .execute(self.conn()?)).await?;
         Ok(())
     }
 
@@ -1115,15 +1144,17 @@ impl LogTx for PgTx {
                 .collect());
         }
         self.flush_for(session_id).await?;
-        sqlx::query_as(
-            "SELECT call_id, tool_name, call_seq, result_seq FROM calls \
+        trip(
+            self.deadline,
+            sqlx::query_as(
+                "SELECT call_id, tool_name, call_seq, result_seq FROM calls \
              WHERE session_id = $1 AND call_id = ANY($2)",
+            )
+            .bind(session_id)
+            .bind(call_ids)
+            .fetch_all(self.conn()?),
         )
-        .bind(session_id)
-        .bind(call_ids)
-        .fetch_all(self.conn()?)
         .await
-        .map_err(Error::from_sqlx)
     }
 
     async fn record_calls(&mut self, session_id: Uuid, rows: &[CallRow]) -> Result<()> {
@@ -1136,32 +1167,36 @@ impl LogTx for PgTx {
         let names: Vec<&str> = rows.iter().map(|c| c.1.as_str()).collect();
         let seqs: Vec<i64> = rows.iter().map(|c| c.2).collect();
         let result_seqs: Vec<Option<i64>> = rows.iter().map(|c| c.3).collect();
-        sqlx::query(
-            "INSERT INTO calls (session_id, call_id, tool_name, call_seq, result_seq) \
+        trip(
+            self.deadline,
+            sqlx::query(
+                "INSERT INTO calls (session_id, call_id, tool_name, call_seq, result_seq) \
              SELECT $1, * FROM UNNEST($2::TEXT[], $3::TEXT[], $4::BIGINT[], $5::BIGINT[]) \
              ON CONFLICT (session_id, call_id) DO UPDATE SET result_seq = EXCLUDED.result_seq",
+            )
+            .bind(session_id)
+            .bind(ids)
+            .bind(names)
+            .bind(seqs)
+            .bind(result_seqs)
+            .execute(self.conn()?),
         )
-        .bind(session_id)
-        .bind(ids)
-        .bind(names)
-        .bind(seqs)
-        .bind(result_seqs)
-        .execute(self.conn()?)
-        .await
-        .map_err(Error::from_sqlx)?;
+        .await?;
         Ok(())
     }
 
     async fn last_refresh_seq(&mut self, session_id: Uuid) -> Result<i64> {
         self.flush_for(session_id).await?;
-        let (seq,): (i64,) = sqlx::query_as(
-            "SELECT COALESCE(MAX(seq), 0)::BIGINT FROM events WHERE session_id = $1 \
+        let (seq,): (i64,) = trip(
+            self.deadline,
+            sqlx::query_as(
+                "SELECT COALESCE(MAX(seq), 0)::BIGINT FROM events WHERE session_id = $1 \
              AND type IN ('prompt_submitted', 'mode_switched')",
+            )
+            .bind(session_id)
+            .fetch_one(self.conn()?),
         )
-        .bind(session_id)
-        .fetch_one(self.conn()?)
-        .await
-        .map_err(Error::from_sqlx)?;
+        .await?;
         Ok(seq)
     }
 
@@ -1173,22 +1208,23 @@ impl LogTx for PgTx {
             "DELETE FROM calls WHERE session_id = $1",
             "DELETE FROM activation_changes WHERE session_id = $1",
         ] {
-            sqlx::query(sql)
-                .bind(session_id)
-                .execute(self.conn()?)
-                .await
-                .map_err(Error::from_sqlx)?;
+            trip(
+                self.deadline,
+                sqlx::query(sql).bind(session_id).execute(self.conn()?),
+            )
+            .await?;
         }
         Ok(())
     }
 
     async fn session_ids(&mut self) -> Result<Vec<Uuid>> {
         self.flush().await?;
-        let rows: Vec<(Uuid,)> =
+        let rows: Vec<(Uuid,)> = trip(
+            self.deadline,
             sqlx::query_as("SELECT DISTINCT session_id FROM events ORDER BY session_id")
-                .fetch_all(self.conn()?)
-                .await
-                .map_err(Error::from_sqlx)?;
+                .fetch_all(self.conn()?),
+        )
+        .await?;
         Ok(rows.into_iter().map(|(s,)| s).collect())
     }
 
@@ -1200,34 +1236,39 @@ impl LogTx for PgTx {
             };
         }
         self.flush_for(session_id).await?;
-        let row: Option<(String,)> =
+        let row: Option<(String,)> = trip(
+            self.deadline,
             sqlx::query_as("SELECT tenant FROM session_owners WHERE session_id = $1")
                 .bind(session_id)
-                .fetch_optional(self.conn()?)
-                .await
-                .map_err(Error::from_sqlx)?;
+                .fetch_optional(self.conn()?),
+        )
+        .await?;
         Ok(row.map(|(t,)| t))
     }
 
     async fn claim_session(&mut self, session_id: Uuid, tenant: &str) -> Result<()> {
         self.flush().await?;
-        sqlx::query("INSERT INTO session_owners (session_id, tenant) VALUES ($1, $2)")
-            .bind(session_id)
-            .bind(tenant)
-            .execute(self.conn()?)
-            .await
-            .map_err(Error::from_sqlx)?;
+        trip(
+            self.deadline,
+            sqlx::query("INSERT INTO session_owners (session_id, tenant) VALUES ($1, $2)")
+                .bind(session_id)
+                .bind(tenant)
+                .execute(self.conn()?),
+        )
+        .await?;
         Ok(())
     }
 
     async fn notify(&mut self, session_id: Uuid, seq: i64) -> Result<()> {
         self.flush().await?;
-        sqlx::query("SELECT pg_notify($1, $2)")
-            .bind(NOTIFY_CHANNEL)
-            .bind(format!("{session_id}:{seq}"))
-            .execute(self.conn()?)
-            .await
-            .map_err(Error::from_sqlx)?;
+        trip(
+            self.deadline,
+            sqlx::query("SELECT pg_notify($1, $2)")
+                .bind(NOTIFY_CHANNEL)
+                .bind(format!("{session_id}:{seq}"))
+                .execute(self.conn()?),
+        )
+        .await?;
         Ok(())
     }
 
@@ -1239,15 +1280,13 @@ impl LogTx for PgTx {
     ) -> Result<Vec<(StoredEvent, Option<String>)>> {
         self.flush_for(session_id).await?;
         let rows: Vec<HashedRow> =
-            sqlx::query_as(&format!(
+            trip(self.deadline, sqlx::query_as(&format!(
                 "SELECT {COLUMNS}, hash FROM events WHERE session_id = $1 AND seq > $2 ORDER BY seq LIMIT $3"
             ))
             .bind(session_id)
             .bind(after)
             .bind(limit)
-            .fetch_all(self.conn()?)
-            .await
-            .map_err(Error::from_sqlx)?;
+            .fetch_all(self.conn()?)).await?;
         rows.into_iter()
             .map(|(p, s, q, e, pl, t, h)| Ok((decode((p, s, q, e, pl, t))?, h)))
             .collect()
@@ -1257,56 +1296,60 @@ impl LogTx for PgTx {
         self.flush().await?;
         // It may be a head's hash.
         self.heads.clear();
-        sqlx::query("UPDATE events SET hash = $1 WHERE position = $2 AND hash IS NULL")
-            .bind(hash)
-            .bind(position)
-            .execute(self.conn()?)
-            .await
-            .map_err(Error::from_sqlx)?;
+        trip(
+            self.deadline,
+            sqlx::query("UPDATE events SET hash = $1 WHERE position = $2 AND hash IS NULL")
+                .bind(hash)
+                .bind(position)
+                .execute(self.conn()?),
+        )
+        .await?;
         Ok(())
     }
 
     async fn backfill_pending(&mut self, limit: i64) -> Result<Vec<Uuid>> {
         self.flush().await?;
-        let rows: Vec<(Uuid,)> =
+        let rows: Vec<(Uuid,)> = trip(
+            self.deadline,
             sqlx::query_as("SELECT session_id FROM chain_backfill ORDER BY session_id LIMIT $1")
                 .bind(limit)
-                .fetch_all(self.conn()?)
-                .await
-                .map_err(Error::from_sqlx)?;
+                .fetch_all(self.conn()?),
+        )
+        .await?;
         Ok(rows.into_iter().map(|(s,)| s).collect())
     }
 
     async fn is_backfill_pending(&mut self, session_id: Uuid) -> Result<bool> {
         self.flush_for(session_id).await?;
-        let row: Option<(i32,)> =
+        let row: Option<(i32,)> = trip(
+            self.deadline,
             sqlx::query_as("SELECT 1 FROM chain_backfill WHERE session_id = $1")
                 .bind(session_id)
-                .fetch_optional(self.conn()?)
-                .await
-                .map_err(Error::from_sqlx)?;
+                .fetch_optional(self.conn()?),
+        )
+        .await?;
         Ok(row.is_some())
     }
 
     async fn backfill_done(&mut self, session_id: Uuid) -> Result<()> {
         self.flush().await?;
-        sqlx::query("DELETE FROM chain_backfill WHERE session_id = $1")
-            .bind(session_id)
-            .execute(self.conn()?)
-            .await
-            .map_err(Error::from_sqlx)?;
+        trip(
+            self.deadline,
+            sqlx::query("DELETE FROM chain_backfill WHERE session_id = $1")
+                .bind(session_id)
+                .execute(self.conn()?),
+        )
+        .await?;
         Ok(())
     }
 
     async fn position_summary(&mut self) -> Result<(i64, i64, i64)> {
         self.flush().await?;
-        let (count, max, last): (i64, i64, i64) = sqlx::query_as(
+        let (count, max, last): (i64, i64, i64) = trip(self.deadline, sqlx::query_as(
             "SELECT (SELECT COUNT(*) FROM events), (SELECT COALESCE(MAX(position), 0) FROM events), \
              (SELECT last FROM event_position WHERE id = 1)",
         )
-        .fetch_one(self.conn()?)
-        .await
-        .map_err(Error::from_sqlx)?;
+        .fetch_one(self.conn()?)).await?;
         Ok((count, max, last))
     }
 
@@ -1322,7 +1365,7 @@ impl LogTx for PgTx {
         let times: Vec<DateTime<Utc>> = rows.iter().map(|r| r.recorded_at).collect();
         let changes: Vec<&str> = rows.iter().map(|r| r.change.as_str()).collect();
         let evidence: Vec<Option<i64>> = rows.iter().map(|r| r.evidence_seq).collect();
-        sqlx::query(
+        trip(self.deadline, sqlx::query(
             "INSERT INTO activation_changes (position, tool, session_id, seq, recorded_at, change, evidence_seq) \
              SELECT * FROM UNNEST($1::BIGINT[], $2::TEXT[], $3::UUID[], $4::BIGINT[], $5::TIMESTAMPTZ[], $6::TEXT[], $7::BIGINT[])",
         )
@@ -1333,57 +1376,62 @@ impl LogTx for PgTx {
         .bind(times)
         .bind(changes)
         .bind(evidence)
-        .execute(self.conn()?)
-        .await
-        .map_err(Error::from_sqlx)?;
+        .execute(self.conn()?)).await?;
         Ok(())
     }
 
     async fn load_changes(&mut self, session_id: Uuid) -> Result<Vec<ChangeRow>> {
         self.flush_for(session_id).await?;
-        let rows: Vec<PgChange> = sqlx::query_as(
-            "SELECT position, tool, session_id, seq, recorded_at, change, evidence_seq \
+        let rows: Vec<PgChange> = trip(
+            self.deadline,
+            sqlx::query_as(
+                "SELECT position, tool, session_id, seq, recorded_at, change, evidence_seq \
              FROM activation_changes WHERE session_id = $1 ORDER BY seq, tool",
+            )
+            .bind(session_id)
+            .fetch_all(self.conn()?),
         )
-        .bind(session_id)
-        .fetch_all(self.conn()?)
-        .await
-        .map_err(Error::from_sqlx)?;
+        .await?;
         Ok(rows.into_iter().map(decode_change).collect())
     }
 
     async fn changes_backfill_pending(&mut self, limit: i64) -> Result<Vec<Uuid>> {
         self.flush().await?;
-        let rows: Vec<(Uuid,)> =
+        let rows: Vec<(Uuid,)> = trip(
+            self.deadline,
             sqlx::query_as("SELECT session_id FROM changes_backfill ORDER BY session_id LIMIT $1")
                 .bind(limit)
-                .fetch_all(self.conn()?)
-                .await
-                .map_err(Error::from_sqlx)?;
+                .fetch_all(self.conn()?),
+        )
+        .await?;
         Ok(rows.into_iter().map(|(s,)| s).collect())
     }
 
     async fn changes_backfill_done(&mut self, session_id: Uuid) -> Result<()> {
         self.flush().await?;
-        sqlx::query("DELETE FROM changes_backfill WHERE session_id = $1")
-            .bind(session_id)
-            .execute(self.conn()?)
-            .await
-            .map_err(Error::from_sqlx)?;
+        trip(
+            self.deadline,
+            sqlx::query("DELETE FROM changes_backfill WHERE session_id = $1")
+                .bind(session_id)
+                .execute(self.conn()?),
+        )
+        .await?;
         Ok(())
     }
 
     async fn commit(mut self) -> Result<()> {
         self.flush().await?;
         if self.unwritten > 0 {
-            sqlx::query("UPDATE event_position SET last = last + $1 WHERE id = 1")
-                .bind(self.unwritten)
-                .execute(self.conn()?)
-                .await
-                .map_err(Error::from_sqlx)?;
+            trip(
+                self.deadline,
+                sqlx::query("UPDATE event_position SET last = last + $1 WHERE id = 1")
+                    .bind(self.unwritten)
+                    .execute(self.conn()?),
+            )
+            .await?;
         }
         match self.conn {
-            PgConn::Locked(tx) => tx.commit().await.map_err(Error::from_sqlx),
+            PgConn::Locked(tx) => trip(self.deadline, tx.commit()).await,
             PgConn::Optimistic(_) => Err(optimistic_miss()),
         }
     }
