@@ -169,7 +169,7 @@ pub enum Command {
         #[arg(long, conflicts_with = "at_prompt", allow_negative_numbers = true, value_parser = parse_at_seq)]
         at_seq: Option<i64>,
         /// Answer for the request of the K-th prompt (1-based).
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true)]
         at_prompt: Option<i64>,
         /// Print one JSON object.
         #[arg(long)]
@@ -241,10 +241,10 @@ pub enum AuditCommand {
         #[arg(long = "type")]
         event_type: Option<String>,
         /// Only events at this position or later.
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true)]
         from_position: Option<i64>,
         /// Only events at this position or earlier.
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true)]
         to_position: Option<i64>,
         /// The narrowing every audit query takes.
         #[command(flatten)]
@@ -294,7 +294,7 @@ pub struct ScopeArgs {
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..=crate::store::query::MAX_PAGE))]
     pub limit: i64,
     /// The cursor a previous page printed as `next`.
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     pub after: Option<String>,
     /// Print the page as one JSON object.
     #[arg(long)]

@@ -460,6 +460,18 @@ fn time_bounds_finer_than_a_microsecond_keep_since_inclusive_and_until_exclusive
         // A whole microsecond is taken as it is.
         assert_eq!(events("--since", "2026-12-01T00:00:01Z"), 1, "{name}");
         assert_eq!(events("--until", "2026-12-01T00:00:01Z"), 0, "{name}");
+        // Bounds outside the years the store keeps (0000 to 9999 in UTC)
+        // mean all rows or none. SQLite compares times as text, where the
+        // year 10000 (`+10000-…`) sorted before 2026: every row was after
+        // it, and none before.
+        let late = "9999-12-31T23:30:00-01:00"; // 10000-01-01T00:30Z
+        let early = "0000-01-01T00:30:00+01:00"; // the year -1 in UTC
+        assert_eq!(events("--since", late), 0, "{name}");
+        assert_eq!(events("--until", late), 1, "{name}");
+        assert_eq!(changes("--since", late), 0, "{name}");
+        assert_eq!(changes("--until", late), 1, "{name}");
+        assert_eq!(events("--since", early), 1, "{name}");
+        assert_eq!(events("--until", early), 0, "{name}");
         // View drift is a state of the current views, not of a time.
         for bound in ["--since", "--until"] {
             let o = run(url, &["audit", "anomalies", "view-drift", bound, after_row]);
@@ -470,5 +482,126 @@ fn time_bounds_finer_than_a_microsecond_keep_since_inclusive_and_until_exclusive
                 "{name}: {err}"
             );
         }
+    }
+}
+
+/// A page that ends at the last row says so (`next` null) instead of
+/// handing out a cursor to an empty page; one that does not, gives the
+/// cursor of its last row. Cursors and positions are 0 or more, written
+/// `--after -1` or `--after=-1` alike (exit 1 naming the value, not a usage
+/// error), on every paged query.
+#[test]
+fn audit_pages_end_where_the_rows_do_and_refuse_negative_cursors() {
+    for (backend, db) in backends() {
+        let url = db.url.as_str();
+        assert!(run(url, &["import", LOG]).status.success(), "{backend}");
+        // A call without its result, for the unanswered calls.
+        let open = r#"{"type":"tool_call","call_id":"open","tool_name":"web_fetch","input":null}"#;
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("open.jsonl");
+        std::fs::write(&file, format!("{open}\n")).unwrap();
+        let o = run(
+            url,
+            &["append", S, "--expected-seq", "15", file.to_str().unwrap()],
+        );
+        assert!(
+            o.status.success(),
+            "{backend}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        for (query, rows, next) in [
+            (vec!["events"], "events", "next_after_position"),
+            (vec!["changes"], "changes", "next"),
+            (vec!["anomalies", "unanswered-call"], "anomalies", "next"),
+        ] {
+            let page = |limit: usize| {
+                let mut args = vec!["audit"];
+                args.extend(&query);
+                let limit = limit.to_string();
+                args.extend(["--limit", limit.as_str(), "--json"]);
+                json_of(&run(url, &args))
+            };
+            let all = page(1000)[rows].as_array().unwrap().len();
+            assert!(all >= 1, "{backend} {query:?}");
+            let full = page(all);
+            assert_eq!(
+                full[rows].as_array().unwrap().len(),
+                all,
+                "{backend} {query:?}"
+            );
+            assert_eq!(full[next], Value::Null, "{backend} {query:?}: {full}");
+            if all > 1 {
+                let short = page(all - 1);
+                assert_ne!(short[next], Value::Null, "{backend} {query:?}: {short}");
+            }
+        }
+        for args in [
+            vec!["audit", "events", "--after", "-1"],
+            vec!["audit", "events", "--from-position", "-1"],
+            vec!["audit", "events", "--to-position=-1"],
+            vec!["audit", "changes", "--after", "-5:web_fetch"],
+            vec!["audit", "anomalies", "unanswered-call", "--after", "-3"],
+            vec!["audit", "anomalies", "unknown-evidence-name", "--after=-3"],
+            vec!["explain", S, "web_fetch", "--at-prompt", "-1"],
+        ] {
+            let o = run(url, &args);
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert_eq!(o.status.code(), Some(1), "{backend} {args:?}: {err}");
+            assert!(
+                err.contains("-1") || err.contains("-3") || err.contains("-5"),
+                "{backend} {args:?}: {err}"
+            );
+        }
+    }
+}
+
+/// `unknown-evidence-name` names each unknown tool once, however often the
+/// result lists it; and `verify` says a calls index row that is missing as
+/// missing, not as a difference of values.
+#[test]
+fn unknown_names_are_listed_once_and_a_missing_call_row_is_said_as_missing() {
+    for (backend, db) in backends() {
+        let url = db.url.as_str();
+        let s = "22222222-2222-4222-8222-222222222222";
+        let lines = [
+            format!(r#"{{"session_id":"{s}","type":"session_started","mode":"agent"}}"#),
+            format!(
+                r#"{{"session_id":"{s}","type":"catalog_defined","mode":"agent","deferred_tools":["web_fetch"]}}"#
+            ),
+            format!(
+                r#"{{"session_id":"{s}","type":"tool_call","call_id":"c1","tool_name":"ToolSearch","input":null}}"#
+            ),
+            format!(
+                r#"{{"session_id":"{s}","type":"tool_result","call_id":"c1","tool_name":"ToolSearch","status":"success","added_tool_names":["ghost","web_fetch","ghost"]}}"#
+            ),
+        ];
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("names.jsonl");
+        std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+        assert!(run(url, &["import", file.to_str().unwrap()])
+            .status
+            .success());
+        let page = json_of(&run(
+            url,
+            &["audit", "anomalies", "unknown-evidence-name", "--json"],
+        ));
+        let found = &page["anomalies"][0];
+        assert_eq!(found["tools"], json!(["ghost"]), "{backend}: {page}");
+        assert!(
+            found["detail"]
+                .as_str()
+                .unwrap()
+                .contains("names ghost that"),
+            "{backend}: {page}"
+        );
+
+        common::raw_sql(url, "DELETE FROM calls WHERE call_id = 'c1'");
+        let o = run(url, &["verify", s]);
+        assert_eq!(o.status.code(), Some(5), "{backend}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            err.contains(r#"the calls index has no row for call "c1", where the log says"#),
+            "{backend}: {err}"
+        );
     }
 }

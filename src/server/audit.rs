@@ -19,7 +19,7 @@ use uuid::Uuid;
 
 use super::auth::Scope;
 use super::error::{ApiError, ErrorBody};
-use super::{parse_session_id, query, Server, SessionPath};
+use super::{parse_session_id, query, query_taking, Server, SessionPath};
 use crate::audit::{At, Explanation, Refresh, RefreshTracker};
 use crate::store::query::{
     AnomalyKind, AnomalyPage, AnomalyQuery, ChangePage, ChangeQuery, EventPage, EventQuery,
@@ -324,7 +324,19 @@ pub(super) async fn audit_events(
 ) -> Result<Json<EventPage>, ApiError> {
     let principal = server.principal(&headers)?;
     principal.require(Scope::Audit)?;
-    let q = query(q)?;
+    let q = query_taking(
+        q,
+        &[
+            "type",
+            "from_position",
+            "to_position",
+            "session",
+            "since",
+            "until",
+            "after",
+            "limit",
+        ],
+    )?;
     q.refuse(
         "/v1/audit/events",
         &[
@@ -384,7 +396,12 @@ pub(super) async fn audit_changes(
 ) -> Result<Json<ChangePage>, ApiError> {
     let principal = server.principal(&headers)?;
     principal.require(Scope::Audit)?;
-    let q = query(q)?;
+    let q = query_taking(
+        q,
+        &[
+            "tool", "change", "session", "since", "until", "after", "limit",
+        ],
+    )?;
     q.refuse(
         "/v1/audit/changes",
         &[
@@ -436,7 +453,7 @@ pub(super) async fn audit_anomalies(
 ) -> Result<Json<AnomalyPage>, ApiError> {
     let principal = server.principal(&headers)?;
     principal.require(Scope::Audit)?;
-    let q = query(q)?;
+    let q = query_taking(q, &["kind", "session", "since", "until", "after", "limit"])?;
     q.refuse(
         "/v1/audit/anomalies",
         &[

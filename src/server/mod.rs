@@ -536,6 +536,38 @@ fn query<T>(q: Result<Query<T>, QueryRejection>) -> Result<T, ApiError> {
         .map_err(|e| ApiError::bad_request(query_message(&e.body_text())))
 }
 
+/// The parameter an unknown-field rejection names (at most 80 characters of
+/// it) and the rest of the framework's sentence after it.
+/// "x: unknown field `x`, expected one of `a`, `b`" / ", there are no fields"
+fn unknown_parameter(text: &str) -> Option<(String, &str)> {
+    let i = text.find("unknown field `")?;
+    let rest = &text[i + "unknown field `".len()..];
+    let (name, tail) = rest.split_once('`').unwrap_or((rest, ""));
+    Some((name.chars().take(80).collect(), tail))
+}
+
+/// [`query`] for a route whose parameter struct serves other routes too
+/// (the audit routes): an unknown parameter is answered with the route's
+/// own parameters, `takes`, not every field of the struct.
+fn query_taking<T>(q: Result<Query<T>, QueryRejection>, takes: &[&str]) -> Result<T, ApiError> {
+    q.map(|Query(t)| t).map_err(|e| {
+        let text = e.body_text();
+        let text = text
+            .strip_prefix("Failed to deserialize query string: ")
+            .unwrap_or(&text);
+        ApiError::bad_request(match unknown_parameter(text) {
+            Some((name, _)) => {
+                let list: Vec<String> = takes.iter().map(|t| format!("`{t}`")).collect();
+                format!(
+                    "unknown query parameter `{name}`: this request takes {}",
+                    list.join(", ")
+                )
+            }
+            None => query_message(text),
+        })
+    })
+}
+
 /// The framework's query rejection ("Failed to deserialize query string:
 /// at_seq: invalid digit found in string") as a sentence that names the
 /// parameter and what it takes.
@@ -543,11 +575,7 @@ fn query_message(text: &str) -> String {
     let text = text
         .strip_prefix("Failed to deserialize query string: ")
         .unwrap_or(text);
-    // "x: unknown field `x`, expected one of `a`, `b`" / ", there are no fields"
-    if let Some(i) = text.find("unknown field `") {
-        let rest = &text[i + "unknown field `".len()..];
-        let (name, tail) = rest.split_once('`').unwrap_or((rest, ""));
-        let name: String = name.chars().take(80).collect();
+    if let Some((name, tail)) = unknown_parameter(text) {
         return match tail.strip_prefix(", expected one of ") {
             Some(list) => format!("unknown query parameter `{name}`: this request takes {list}"),
             None if tail.contains("there are no fields") => {

@@ -1855,15 +1855,23 @@ async fn calls_difference<T: LogTx>(
     let ids: Vec<String> = expected.iter().map(|c| c.0.clone()).collect();
     let stored = tx.calls(session_id, &ids).await?;
     let stored: HashMap<&str, &CallRow> = stored.iter().map(|r| (r.0.as_str(), r)).collect();
+    let said =
+        |r: &CallRow| serde_json::json!({"tool_name": r.1, "call_seq": r.2, "result_seq": r.3});
     Ok(expected
         .iter()
         .find(|e| stored.get(e.0.as_str()) != Some(e))
-        .map(|e| {
-            format!(
-                "session {session_id}: the calls index differs from the log for call {}: the log says {}",
+        .map(|e| match stored.get(e.0.as_str()) {
+            Some(row) => format!(
+                "session {session_id}: the calls index differs from the log for call {}: the index says {}, the log says {}",
                 serde_json::json!(e.0),
-                serde_json::json!({"tool_name": e.1, "call_seq": e.2, "result_seq": e.3})
-            )
+                said(row),
+                said(e)
+            ),
+            None => format!(
+                "session {session_id}: the calls index has no row for call {}, where the log says {}",
+                serde_json::json!(e.0),
+                said(e)
+            ),
         }))
 }
 

@@ -202,6 +202,20 @@ pub struct AnomalyPage {
 }
 
 /// `t` moved up to a whole microsecond (itself when it is one).
+/// The first and the last time the store keeps (years 0000 to 9999 in
+/// UTC, whole microseconds).
+fn stored_times() -> (DateTime<Utc>, DateTime<Utc>) {
+    let at = |s: &str| {
+        DateTime::parse_from_rfc3339(s)
+            .map(|t| t.with_timezone(&Utc))
+            .unwrap_or_default()
+    };
+    (
+        at("0000-01-01T00:00:00Z"),
+        at("9999-12-31T23:59:59.999999Z"),
+    )
+}
+
 fn ceil_micros(t: DateTime<Utc>) -> DateTime<Utc> {
     let below = i64::from(t.timestamp_subsec_nanos() % 1_000);
     match below {
@@ -259,13 +273,27 @@ impl Scope {
         // is moved up to the next one, which keeps `since` inclusive and
         // `until` exclusive exactly (cut down, both would take or drop a
         // row at the microsecond below the bound).
-        if let Some(since) = self.since {
-            q.push(format!(" AND {t}.recorded_at >= "));
-            DB::push_time(q, ceil_micros(since));
+        //
+        // Stored times lie in the years 0000 to 9999 (`check_recorded_at`),
+        // and SQLite compares them as text, where `+10000-…` sorts before
+        // `2026-…`: a bound outside those years is said as what it means,
+        // all rows or none, rather than compared.
+        let (first, last) = stored_times();
+        if let Some(since) = self.since.map(ceil_micros) {
+            if since > last {
+                q.push(" AND 1 = 0");
+            } else if since > first {
+                q.push(format!(" AND {t}.recorded_at >= "));
+                DB::push_time(q, since);
+            }
         }
-        if let Some(until) = self.until {
-            q.push(format!(" AND {t}.recorded_at < "));
-            DB::push_time(q, ceil_micros(until));
+        if let Some(until) = self.until.map(ceil_micros) {
+            if until <= first {
+                q.push(" AND 1 = 0");
+            } else if until <= last {
+                q.push(format!(" AND {t}.recorded_at < "));
+                DB::push_time(q, until);
+            }
         }
         if let Some(tenant) = &self.tenant {
             // A session without an owner row belongs to the default tenant.
@@ -310,7 +338,7 @@ where
     } else {
         " ORDER BY e.position LIMIT "
     });
-    b.push_bind(q.scope.limit);
+    b.push_bind(q.scope.limit + 1);
     b
 }
 
@@ -346,7 +374,7 @@ where
     }
     q.scope.push(&mut b, "c");
     b.push(" ORDER BY c.position, c.tool LIMIT ");
-    b.push_bind(q.scope.limit);
+    b.push_bind(q.scope.limit + 1);
     b
 }
 
@@ -365,7 +393,7 @@ where
     b.push_bind(after);
     scope.push(&mut b, "e");
     b.push(" ORDER BY e.position LIMIT ");
-    b.push_bind(scope.limit);
+    b.push_bind(scope.limit + 1);
     b
 }
 
@@ -434,7 +462,7 @@ where
     };
     scope.push(&mut b, "e");
     b.push(" ORDER BY e.session_id LIMIT ");
-    b.push_bind(scope.limit);
+    b.push_bind(scope.limit + 1);
     b
 }
 
@@ -495,12 +523,12 @@ impl Store {
                 ));
             }
         }
-        let events = self
-            .fetch_events(self.sql(|| events_sql("", q), || events_sql("", q)))
-            .await?;
-        let next = (events.len() as i64 == q.scope.limit)
-            .then(|| events.last().map(|e| e.position))
-            .flatten();
+        let (events, more) = page_of(
+            self.fetch_events(self.sql(|| events_sql("", q), || events_sql("", q)))
+                .await?,
+            q.scope.limit,
+        );
+        let next = more.then(|| events.last().map(|e| e.position)).flatten();
         Ok(EventPage {
             events,
             next_after_position: next,
@@ -532,6 +560,7 @@ impl Store {
                     .split_once(':')
                     .filter(|(_, t)| !crate::validate::has_control_char(t))
                     .and_then(|(p, t)| Some((p.parse::<i64>().ok()?, t.to_owned())))
+                    .filter(|(p, _)| *p >= 0)
                     .ok_or_else(|| {
                         bad(
                             "after",
@@ -547,7 +576,8 @@ impl Store {
             Backend::Sqlite(b) => b.fetch_changes(changes_sql("", q, after.clone())).await?,
             Backend::Postgres(b) => b.fetch_changes(changes_sql("", q, after.clone())).await?,
         };
-        let next = (changes.len() as i64 == q.scope.limit)
+        let (changes, more) = page_of(changes, q.scope.limit);
+        let next = more
             .then(|| changes.last().map(|c| format!("{}:{}", c.position, c.tool)))
             .flatten();
         Ok(ChangePage { changes, next })
@@ -583,7 +613,8 @@ impl Store {
                 || unanswered_sql("", &q.scope, after),
             ))
             .await?;
-        let next = (calls.len() as i64 == q.scope.limit)
+        let (calls, more) = page_of(calls, q.scope.limit);
+        let next = more
             .then(|| calls.last().map(|e| e.position.to_string()))
             .flatten();
         let anomalies = calls
@@ -651,9 +682,12 @@ impl Store {
                 continue;
             };
             let known = catalogs.get(&e.session_id).unwrap_or(&none);
+            // Each name once, in the order of the result (a result may
+            // name a tool twice).
+            let mut seen = HashSet::new();
             let unknown: Vec<String> = names
                 .iter()
-                .filter(|n| !known.contains(*n))
+                .filter(|n| !known.contains(*n) && seen.insert(n.as_str()))
                 .cloned()
                 .collect();
             if unknown.is_empty() {
@@ -699,6 +733,7 @@ impl Store {
             Backend::Sqlite(b) => b.fetch_sessions(sessions_sql("", &q.scope, after)).await?,
             Backend::Postgres(b) => b.fetch_sessions(sessions_sql("", &q.scope, after)).await?,
         };
+        let (sessions, more) = page_of(sessions, q.scope.limit);
         let mut anomalies = Vec::new();
         for s in &sessions {
             if let Some(detail) = self.verify(*s).await? {
@@ -715,23 +750,36 @@ impl Store {
                 });
             }
         }
-        let next = (sessions.len() as i64 == q.scope.limit)
-            .then(|| sessions.last().map(Uuid::to_string))
-            .flatten();
+        let next = more.then(|| sessions.last().map(Uuid::to_string)).flatten();
         Ok(AnomalyPage { anomalies, next })
     }
 }
 
+/// A cursor of the queries paged by position: 0 or more, as the events
+/// query's `after` (a negative one is a mistake, not "from the start").
 fn position_cursor(after: Option<&str>) -> Result<i64> {
     match after {
         None => Ok(0),
-        Some(c) => c.parse().map_err(|_| {
+        Some(c) => c.parse().ok().filter(|p: &i64| *p >= 0).ok_or_else(|| {
             bad(
                 "after",
-                format!("{} is not a cursor of this query (a position)", quoted(c)),
+                format!(
+                    "{} is not a cursor of this query (a position, 0 or more)",
+                    quoted(c)
+                ),
             )
         }),
     }
+}
+
+/// The page of a query that asked for one row more than `limit`, and
+/// whether there is more: a page that ends exactly at the last row says
+/// so, instead of a cursor to an empty page.
+fn page_of<T>(mut rows: Vec<T>, limit: i64) -> (Vec<T>, bool) {
+    let limit = usize::try_from(limit).unwrap_or(0);
+    let more = rows.len() > limit;
+    rows.truncate(limit);
+    (rows, more)
 }
 
 /// An audit query whose plan [`Store::audit_plan`] shows (docs/audit.md).
@@ -802,5 +850,30 @@ mod default_tests {
         let page = store.audit_events(&EventQuery::default()).await.unwrap();
         assert!(page.events.is_empty());
         store.close().await;
+    }
+
+    /// The bounds of the stored times are the first and last microsecond
+    /// of the years 0000 to 9999 (not a fallback of the parse).
+    #[test]
+    fn stored_times_span_the_years_0000_to_9999() {
+        use chrono::{Datelike, Timelike};
+        let (first, last) = stored_times();
+        assert_eq!(
+            (
+                first.year(),
+                first.ordinal(),
+                first.num_seconds_from_midnight()
+            ),
+            (0, 1, 0)
+        );
+        assert_eq!(
+            (
+                last.year(),
+                last.ordinal(),
+                last.num_seconds_from_midnight()
+            ),
+            (9999, 365, 86_399)
+        );
+        assert_eq!(last.nanosecond(), 999_999_000);
     }
 }
