@@ -329,6 +329,19 @@ impl SessionState {
         state
     }
 
+    /// A state that answers [`SessionState::activations`] and what
+    /// `recover` reads from a view alone, with the view's evidence instead
+    /// of the window's rows (§8: the view holds every name with evidence
+    /// in the window). Events after the view may be applied, except a
+    /// compaction, which needs the rows to find where the window starts.
+    /// Its [`SessionState::context`] lacks the window's rows: the store
+    /// never caches it or hands it out, only the answers above.
+    pub(crate) fn from_view_without_rows(view: &View) -> SessionState {
+        let mut state = SessionState::from_view(view, &[]);
+        state.evidence = view.evidence.clone();
+        state
+    }
+
     /// The materialized view of this state (meaningful at a refresh point).
     pub fn view(&self) -> View {
         View {

@@ -7,7 +7,7 @@ mod common;
 
 use common::gen::{valid_log, Rng};
 use proptest::prelude::*;
-use session_store::{NewEvent, SessionState, Store};
+use session_store::{NewEvent, SessionState, Store, StoreOptions};
 use uuid::Uuid;
 
 fn runtime() -> tokio::runtime::Runtime {
@@ -54,8 +54,25 @@ async fn check_log(url: &str, seed: u64, len: usize) -> Result<(), TestCaseError
         let r = reader.recover(session).await.unwrap();
         prop_assert_eq!(r.latest_seq, done as i64);
         prop_assert_eq!(r.context_start_seq, expected.window_start);
-        prop_assert_eq!(r.catalog, expected.current_catalog().to_vec());
+        prop_assert_eq!(&r.catalog, &expected.current_catalog().to_vec());
         reader.close().await;
+        // One that reads no window (as for a never-compacted session's
+        // long one): the view's evidence and the events after it.
+        let rowless = Store::open_with(
+            url,
+            StoreOptions {
+                rowless_window: 0,
+                ..StoreOptions::default()
+            },
+        )
+        .await
+        .unwrap();
+        prop_assert_eq!(
+            rowless.activations(session, None).await.unwrap(),
+            expected.activations()
+        );
+        prop_assert_eq!(rowless.recover(session).await.unwrap(), r);
+        rowless.close().await;
     }
     // Rebuilding changes nothing that verify can see.
     writer.rebuild(session).await.unwrap();
@@ -132,4 +149,136 @@ proptest! {
             prop_assert_eq!(at_once.activation_set(), whole.activation_set());
         }
     }
+}
+
+/// A session that is never compacted has its whole log as its window. The
+/// activation set and recovery of one longer than the store reads as a
+/// window (`ROWLESS_WINDOW`) come from the view and the events after it,
+/// and equal the fold's: after a tail with a mode switch, a catalog and
+/// new evidence, and, through the transactional path, after a tail with a
+/// compaction.
+async fn long_uncompacted_session(url: &str) {
+    use session_store::event::ToolStatus;
+    use session_store::EventBody;
+    let session = Uuid::new_v4();
+    let store = Store::open(url).await.unwrap();
+    let mut log = Vec::new();
+    let mut push = |body: EventBody| log.push(NewEvent::new(body));
+    push(EventBody::SessionStarted {
+        mode: "agent".into(),
+        metadata: None,
+    });
+    push(EventBody::CatalogDefined {
+        mode: "agent".into(),
+        deferred_tools: vec!["web_fetch".into(), "image_view".into()],
+    });
+    let rounds = (session_store::store::ROWLESS_WINDOW as usize) / 3 + 10;
+    for i in 0..rounds {
+        push(EventBody::PromptSubmitted {
+            text: format!("p{i}"),
+        });
+        push(EventBody::ToolCall {
+            call_id: format!("c{i}"),
+            tool_name: "ToolSearch".into(),
+            input: serde_json::Value::Null,
+        });
+        push(EventBody::ToolResult {
+            call_id: format!("c{i}"),
+            tool_name: "ToolSearch".into(),
+            status: ToolStatus::Success,
+            output: None,
+            added_tool_names: Some(vec![if i == 5 { "image_view" } else { "web_fetch" }.into()]),
+        });
+    }
+    let mut seq = 0;
+    for chunk in log.chunks(500) {
+        store.append(session, seq, chunk.to_vec()).await.unwrap();
+        seq += chunk.len() as i64;
+    }
+    let check = |what: &'static str| {
+        let url = url.to_owned();
+        async move {
+            let store = Store::open(&url).await.unwrap();
+            let all = store.history(session, 0, 100_000).await.unwrap();
+            let expected = SessionState::fold(session, &all);
+            assert!(expected.seq - expected.window_start > session_store::store::ROWLESS_WINDOW);
+            store.clear_cache();
+            assert_eq!(
+                store.activations(session, None).await.unwrap(),
+                expected.activations(),
+                "{what}"
+            );
+            store.clear_cache();
+            let r = store.recover(session).await.unwrap();
+            assert_eq!(r.latest_seq, expected.seq, "{what}");
+            assert_eq!(r.tools, expected.activation_set(), "{what}");
+            assert_eq!(r.mode, expected.mode, "{what}");
+            assert_eq!(r.context_start_seq, expected.window_start, "{what}");
+            store.close().await;
+        }
+    };
+    check("at a refresh point").await;
+    // After the view: a mode switch and back, a new catalog, new evidence.
+    let tail = vec![
+        NewEvent::new(EventBody::ModeSwitched {
+            mode: "plan".into(),
+        }),
+        NewEvent::new(EventBody::CatalogDefined {
+            mode: "agent".into(),
+            deferred_tools: vec!["image_view".into(), "notebook_edit".into()],
+        }),
+        NewEvent::new(EventBody::ToolCall {
+            call_id: "late".into(),
+            tool_name: "notebook_edit".into(),
+            input: serde_json::Value::Null,
+        }),
+        NewEvent::new(EventBody::ToolResult {
+            call_id: "late".into(),
+            tool_name: "notebook_edit".into(),
+            status: ToolStatus::Success,
+            output: None,
+            added_tool_names: None,
+        }),
+    ];
+    store.append(session, seq, tail.clone()).await.unwrap();
+    seq += tail.len() as i64;
+    check("after a tail").await;
+    // A compaction after the view keeps the last rows only.
+    let all = store.history(session, seq - 2, 10).await.unwrap();
+    store
+        .append(
+            session,
+            seq,
+            vec![NewEvent::new(EventBody::Compaction {
+                summary: "s".into(),
+                first_kept_event_id: Some(all[0].event_id),
+                tokens_before: None,
+            })],
+        )
+        .await
+        .unwrap();
+    let fresh = Store::open(url).await.unwrap();
+    let all = fresh.history(session, 0, 100_000).await.unwrap();
+    let expected = SessionState::fold(session, &all);
+    assert_eq!(
+        fresh.activations(session, None).await.unwrap(),
+        expected.activations(),
+        "after a compaction"
+    );
+    fresh.close().await;
+    store.close().await;
+}
+
+#[test]
+fn a_long_uncompacted_session_is_answered_from_its_view_on_sqlite() {
+    let db = common::sqlite_db();
+    runtime().block_on(long_uncompacted_session(&db.url));
+}
+
+#[test]
+fn a_long_uncompacted_session_is_answered_from_its_view_on_postgres() {
+    let Some(db) = common::postgres_db() else {
+        return;
+    };
+    runtime().block_on(long_uncompacted_session(&db.url));
 }

@@ -313,12 +313,14 @@ impl PgBackend {
 
     /// The session's view and the events from its window start on (at
     /// most the window and `after` more), in one statement: the cold
-    /// pre-request read, one round trip instead of two. `None` when the
-    /// session has no view.
+    /// pre-request read, one round trip instead of two. A window longer
+    /// than `max_window` is left out: only the (at most `after`) events
+    /// after the view come. `None` when the session has no view.
     pub(crate) async fn view_and_window(
         &self,
         session_id: Uuid,
         after: i64,
+        max_window: i64,
     ) -> Result<Option<(ViewRow, Vec<StoredEvent>)>> {
         // The view as JSON in a row of its own (the last column set), then
         // the events, each part from the same snapshot.
@@ -332,12 +334,17 @@ impl PgBackend {
                  SELECT e.position, e.session_id, e.seq, e.event_id, e.payload, e.recorded_at, NULL \
                    FROM session_views v CROSS JOIN LATERAL \
                      (SELECT position, session_id, seq, event_id, payload, recorded_at FROM events \
-                      WHERE session_id = $1 AND seq >= v.window_start ORDER BY seq \
-                      LIMIT GREATEST(0, v.refresh_seq - v.window_start + 1 + $2)) AS e \
+                      WHERE session_id = $1 \
+                        AND seq >= CASE WHEN v.refresh_seq - v.window_start + 1 > $3 \
+                                        THEN v.refresh_seq + 1 ELSE v.window_start END \
+                      ORDER BY seq \
+                      LIMIT CASE WHEN v.refresh_seq - v.window_start + 1 > $3 THEN $2 \
+                                 ELSE GREATEST(0, v.refresh_seq - v.window_start + 1 + $2) END) AS e \
                    WHERE v.session_id = $1",
             )
             .bind(session_id)
             .bind(after)
+            .bind(max_window)
             .fetch_all(&self.pool)).await?;
         let mut view = None;
         let mut events = Vec::with_capacity(rows.len());

@@ -603,15 +603,19 @@ impl SqliteBackend {
     /// The session's view and the events from its window's start on (at
     /// most the window and `after` more), in one statement: the cold
     /// pre-request read, one hop to the driver's worker instead of two.
-    /// `None` when the session has no view.
+    /// A window longer than `max_window` is left out: only the (at most
+    /// `after`) events after the view come. `None` when the session has
+    /// no view.
     pub(crate) async fn view_and_window(
         &self,
         session_id: Uuid,
         after: i64,
+        max_window: i64,
     ) -> Result<Option<(ViewRow, Vec<StoredEvent>)>> {
         let rows = sqlx::query(VIEW_AND_WINDOW)
             .bind(session_id.to_string())
             .bind(after)
+            .bind(max_window)
             .fetch_all(&self.pool)
             .await
             .map_err(Error::from_sqlx)?;
@@ -818,9 +822,12 @@ SELECT 0, refresh_seq, mode, window_start, compaction_seq, summary, catalogs, ev
 UNION ALL SELECT * FROM (\
   SELECT 1, session_id, position, seq, event_id, payload, recorded_at, NULL, NULL FROM events \
   WHERE session_id = ?1 \
-    AND seq >= (SELECT window_start FROM session_views WHERE session_id = ?1) \
+    AND seq >= (SELECT CASE WHEN refresh_seq - window_start + 1 > ?3 THEN refresh_seq + 1 \
+                            ELSE window_start END \
+                  FROM session_views WHERE session_id = ?1) \
   ORDER BY seq \
-  LIMIT COALESCE((SELECT MAX(0, refresh_seq - window_start + 1 + ?2) \
+  LIMIT COALESCE((SELECT CASE WHEN refresh_seq - window_start + 1 > ?3 THEN ?2 \
+                              ELSE MAX(0, refresh_seq - window_start + 1 + ?2) END \
                    FROM session_views WHERE session_id = ?1), 0))";
 
 /// The start of the calls upsert from a JSON array of
