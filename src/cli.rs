@@ -769,7 +769,7 @@ async fn run_on(
     store: &Store,
     command: Command,
     max_bytes: usize,
-    input: Option<Box<dyn BufRead>>,
+    input: Option<Box<dyn BufRead + Send>>,
     out: &mut dyn Write,
 ) -> Result<(), CliError> {
     // The input `run` opened for import and append (before the store);
@@ -816,7 +816,7 @@ async fn run_on(
             ..
         } => {
             let lines = InputLines::new(input(file.as_ref())?, crate::event::line_limit(max_bytes));
-            let summary = import(store, lines, max_bytes).await?;
+            let summary = import_piped(store, lines, max_bytes).await?;
             writeln!(
                 out,
                 "imported {} into {} ({} already stored)",
@@ -997,15 +997,37 @@ async fn run_on(
                 }
                 false => None,
             };
-            if let Some(report) = &report {
-                if json {
-                    // The verdict is the exit code: a reader that closed
-                    // the output does not turn a broken chain into exit 0.
-                    match print_json(out, report) {
-                        Err(CliError::OutputClosed) | Ok(()) => {}
-                        Err(e) => return Err(e),
+            if let (Some(report), true) = (&report, json) {
+                // The JSON says both verdicts: the chains', and the first
+                // view that disagrees with the log (every session's views
+                // are checked, as without --json), so a program reading it
+                // sees what the exit code says.
+                let mut drift = None;
+                for s in &sessions {
+                    if let Some(difference) = store.verify(*s).await? {
+                        drift = Some(difference);
+                        break;
                     }
                 }
+                let mut said = serde_json::to_value(report)
+                    .map_err(|e| CliError::Io(format!("cannot write the report: {e}")))?;
+                if let Some(fields) = said.as_object_mut() {
+                    fields.insert("view_drift".to_owned(), serde_json::json!(drift));
+                }
+                // The verdict is the exit code: a reader that closed
+                // the output does not turn a broken chain into exit 0.
+                match print_json(out, &said) {
+                    Err(CliError::OutputClosed) | Ok(()) => {}
+                    Err(e) => return Err(e),
+                }
+                if report.intact() {
+                    return match drift {
+                        Some(difference) => Err(CliError::Drift(difference)),
+                        None => Ok(()),
+                    };
+                }
+            }
+            if let Some(report) = &report {
                 if !report.intact() {
                     let first = report
                         .breaks
@@ -1031,7 +1053,6 @@ async fn run_on(
             }
             bar.finish_and_clear();
             match &report {
-                Some(_) if json => {}
                 Some(r) => writeln!(
                     out,
                     "the views of {} agree with the log; the hash chains of {} are intact",
@@ -1428,7 +1449,7 @@ fn io(e: std::io::Error) -> CliError {
 
 /// Reads non-blank lines with their 1-based line numbers.
 /// `file`, or standard input without one, for reading lines.
-fn open_input(file: Option<&PathBuf>) -> Result<Box<dyn BufRead>, CliError> {
+fn open_input(file: Option<&PathBuf>) -> Result<Box<dyn BufRead + Send>, CliError> {
     Ok(match file {
         // `-` is standard input, as for most tools that read files.
         Some(path) if path.as_os_str() != "-" => Box::new(std::io::BufReader::new(
@@ -1471,7 +1492,7 @@ fn read_lines(reader: Box<dyn BufRead>) -> Result<Vec<(usize, String)>, CliError
 /// longer one is refused (as `parse_line` would refuse it) without being
 /// held whole.
 pub struct InputLines {
-    reader: Box<dyn BufRead>,
+    reader: Box<dyn BufRead + Send>,
     number: usize,
     limit: usize,
     buf: Vec<u8>,
@@ -1480,7 +1501,7 @@ pub struct InputLines {
 
 impl InputLines {
     /// The lines of `reader`.
-    pub fn new(reader: Box<dyn BufRead>, limit: usize) -> InputLines {
+    pub fn new(reader: Box<dyn BufRead + Send>, limit: usize) -> InputLines {
         InputLines {
             reader,
             number: 0,
@@ -1558,7 +1579,7 @@ impl InputLines {
     /// reading the rest of it. Returns the bytes read (0 at the end).
     fn read_piece(&mut self, into: &mut Vec<u8>) -> Result<usize, CliError> {
         let cap = (self.limit as u64).saturating_add(2);
-        <&mut Box<dyn BufRead> as std::io::Read>::take(&mut self.reader, cap)
+        <&mut Box<dyn BufRead + Send> as std::io::Read>::take(&mut self.reader, cap)
             .read_until(b'\n', into)
             .map_err(|e| {
                 CliError::Io(format!(
@@ -1661,8 +1682,77 @@ pub async fn import(
     lines: impl IntoIterator<Item = Result<(usize, String), CliError>>,
     max_bytes: usize,
 ) -> Result<ImportSummary, CliError> {
+    import_fed(store, Feed::Lines(lines.into_iter()), max_bytes).await
+}
+
+/// How long `import` waits for the next line of its input before it
+/// stores the lines it holds: a producer piped into it that pauses has
+/// what it wrote stored, not held until 500 lines of one session come.
+pub const IMPORT_IDLE: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// [`import`] of lines read on a thread of their own: a run is also
+/// stored when the input has nothing more for [`IMPORT_IDLE`] (a
+/// producer that pauses), not only at 500 lines of one session, another
+/// session or the end. At most one run of lines is read ahead.
+pub async fn import_piped(
+    store: &Store,
+    lines: impl Iterator<Item = Result<(usize, String), CliError>> + Send + 'static,
+    max_bytes: usize,
+) -> Result<ImportSummary, CliError> {
+    let (tx, rx) = tokio::sync::mpsc::channel(IMPORT_BATCH);
+    // A plain thread: it may block on the input for ever (a producer that
+    // never writes again), and the process does not wait for it at exit.
+    std::thread::spawn(move || {
+        for line in lines {
+            if tx.blocking_send(line).is_err() {
+                return;
+            }
+        }
+    });
+    import_fed(store, Feed::<std::iter::Empty<_>>::Piped(rx), max_bytes).await
+}
+
+type InputLine = Result<(usize, String), CliError>;
+
+/// Where `import` takes its lines from.
+enum Feed<I> {
+    /// As the caller's iterator gives them.
+    Lines(I),
+    /// From a reading thread, with a wait for each.
+    Piped(tokio::sync::mpsc::Receiver<InputLine>),
+}
+
+/// What `import`'s input gives next.
+enum Fed {
+    Line(InputLine),
+    /// Nothing for [`IMPORT_IDLE`]: store the run held so far.
+    Idle,
+    End,
+}
+
+impl<I: Iterator<Item = InputLine>> Feed<I> {
+    /// The next line; `holding` says lines wait to be stored, so that a
+    /// pause of the input is worth saying.
+    async fn next(&mut self, holding: bool) -> Fed {
+        let line = match self {
+            Feed::Lines(lines) => lines.next(),
+            Feed::Piped(rx) if !holding => rx.recv().await,
+            Feed::Piped(rx) => match tokio::time::timeout(IMPORT_IDLE, rx.recv()).await {
+                Ok(line) => line,
+                Err(_) => return Fed::Idle,
+            },
+        };
+        line.map_or(Fed::End, Fed::Line)
+    }
+}
+
+async fn import_fed<I: Iterator<Item = InputLine>>(
+    store: &Store,
+    feed: Feed<I>,
+    max_bytes: usize,
+) -> Result<ImportSummary, CliError> {
     let mut summary = ImportSummary::default();
-    match import_into(store, lines, max_bytes, &mut summary).await {
+    match import_into(store, feed, max_bytes, &mut summary).await {
         Ok(()) => Ok(summary),
         // The lines before the bad one are stored (§9): say how many, so
         // the user knows what a re-run will find.
@@ -1675,16 +1765,26 @@ pub async fn import(
     }
 }
 
-async fn import_into(
+async fn import_into<I: Iterator<Item = InputLine>>(
     store: &Store,
-    lines: impl IntoIterator<Item = Result<(usize, String), CliError>>,
+    mut feed: Feed<I>,
     max_bytes: usize,
     summary: &mut ImportSummary,
 ) -> Result<(), CliError> {
     let mut sessions: HashSet<Uuid> = HashSet::new();
     let mut batch: Vec<(usize, NewEvent)> = Vec::new();
     let mut batch_session = None;
-    for line in lines {
+    loop {
+        let line = match feed.next(!batch.is_empty()).await {
+            Fed::Line(line) => line,
+            Fed::End => break,
+            Fed::Idle => {
+                if let Some(s) = batch_session.take() {
+                    flush(store, s, std::mem::take(&mut batch), &mut sessions, summary).await?;
+                }
+                continue;
+            }
+        };
         let parsed = parse_input_line(line, LineKind::Import, max_bytes);
         let (n, ParsedLine { session_id, event }) = match parsed {
             Ok(p) => p,

@@ -12,7 +12,8 @@
 //!
 //! [`convert`] checks everything it can name in pi's terms (line and pi
 //! field) before anything is appended; the store's own rules (§4) then judge
-//! the whole session as one atomic batch.
+//! the whole session as one batch, and the CLI appends it in runs
+//! (docs/pi-import.md, "Errors").
 
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;

@@ -818,7 +818,9 @@ fn import_keeps_the_lines_before_an_unreadable_or_oversized_line() {
 #[test]
 fn import_stores_a_producers_lines_as_they_come() {
     // A producer that has written 600 lines and is still running: the
-    // first batch (500 lines) must be stored before its input ends.
+    // first run (500 lines) is stored as it is full, and the other 100
+    // once the input pauses (`IMPORT_IDLE`), before the input ends; then
+    // so is a single line written later.
     let db = common::sqlite_db();
     let mut child = spawn(&db.url, &["import"]);
     let mut stdin = child.stdin.take().unwrap();
@@ -832,24 +834,43 @@ fn import_stores_a_producers_lines_as_they_come() {
         .write_all(format!("{}\n", lines.join("\n")).as_bytes())
         .unwrap();
     stdin.flush().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let stored = loop {
-        let out = run(&db.url, &["history", S, "--json"], None);
-        let n = stdout(&out).lines().count();
-        if n >= 500 || Instant::now() > deadline {
-            break n;
+    let stored_within = |want: usize| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let out = run(&db.url, &["history", S, "--json"], None);
+            let n = stdout(&out).lines().count();
+            if n >= want || Instant::now() > deadline {
+                break n;
+            }
+            std::thread::sleep(Duration::from_millis(100));
         }
-        std::thread::sleep(Duration::from_millis(100));
     };
-    assert!(
-        stored >= 500,
-        "only {stored} lines stored while the input was open"
+    let stored = stored_within(600);
+    assert_eq!(stored, 600, "lines stored while the input was open");
+    stdin
+        .write_all(
+            format!(
+                "{}\n",
+                with_session(r#"{"type":"prompt_submitted","text":"late"}"#)
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+    stdin.flush().unwrap();
+    assert_eq!(
+        stored_within(601),
+        601,
+        "a late line stored while the input was open"
     );
     drop(stdin);
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        stdout(&out),
+        "imported 601 events into 1 session (0 already stored)\n"
+    );
     let history = stdout(&run(&db.url, &["history", S, "--json"], None));
-    assert_eq!(history.lines().count(), 600);
+    assert_eq!(history.lines().count(), 601);
 }
 
 #[test]

@@ -131,6 +131,46 @@ both_backends!(an_untouched_log_verifies, |url: String| async move {
 });
 
 both_backends!(
+    the_json_report_says_view_drift_beside_intact_chains,
+    |url: String| async move {
+        // A view changed behind the store's back leaves every chain
+        // intact: the exit code is 5, and the JSON a program reads says
+        // why, not only "no breaks".
+        let (store, a, _) = setup(&url).await;
+        store.close().await;
+        let json = |url: &str| {
+            let out = Command::new(env!("CARGO_BIN_EXE_session-store"))
+                .args(["--database", url, "verify", "--integrity", "--json"])
+                .output()
+                .unwrap();
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            (
+                out.status.code(),
+                v,
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            )
+        };
+        let (code, v, _) = json(&url);
+        assert_eq!(code, Some(0));
+        assert_eq!(v["view_drift"], serde_json::Value::Null, "{v}");
+        raw(
+            &url,
+            &format!(
+                "UPDATE session_views SET mode = 'chat' WHERE session_id = {}",
+                sid(&url, a)
+            ),
+        )
+        .await;
+        let (code, v, err) = json(&url);
+        assert_eq!(code, Some(5), "{err}");
+        assert_eq!(v["breaks"], serde_json::json!([]), "{v}");
+        let drift = v["view_drift"].as_str().unwrap_or_default();
+        assert!(drift.contains("`mode` is \"chat\""), "{v}");
+        assert!(err.contains(drift), "{err}");
+    }
+);
+
+both_backends!(
     the_append_only_trigger_refuses_edits,
     |url: String| async move {
         let (store, victim, _) = setup(&url).await;
