@@ -56,6 +56,11 @@ pub struct SessionState {
     /// fields are for reading (a state whose `rows` are changed by hand
     /// answers from stale evidence).
     evidence: BTreeMap<String, i64>,
+    /// Built from a view without the window's rows
+    /// ([`SessionState::from_view_without_rows`]): `rows` holds only what
+    /// came after the view, and a compaction needs the seq of the row it
+    /// keeps from ([`SessionState::apply_rowless`]).
+    rowless: bool,
 }
 
 /// The state of a session at its latest refresh point (SEMANTICS §8), as the
@@ -170,6 +175,7 @@ impl SessionState {
             rows: Vec::new(),
             calls: HashMap::new(),
             evidence: BTreeMap::new(),
+            rowless: false,
         }
     }
 
@@ -339,7 +345,37 @@ impl SessionState {
     pub(crate) fn from_view_without_rows(view: &View) -> SessionState {
         let mut state = SessionState::from_view(view, &[]);
         state.evidence = view.evidence.clone();
+        state.rowless = true;
         state
+    }
+
+    /// Whether this state lacks the window's rows (and so needs
+    /// [`SessionState::apply_rowless`] for a compaction).
+    pub(crate) fn is_rowless(&self) -> bool {
+        self.rowless
+    }
+
+    /// Applies one event to a rowless state, shed of its texts as
+    /// [`SessionState::apply_shed`] does. A compaction cannot find the row
+    /// it keeps from among rows the state does not hold, so the caller
+    /// gives that row's seq (`kept_seq`, looked up in the log; `None` when
+    /// it keeps nothing). §4 has every stored compaction keep from a
+    /// transcript row of the effective context, so the window then starts
+    /// there, as [`SessionState::apply`] would find; the evidence that
+    /// stays is each name's whose largest evidence seq is in the new
+    /// window (its rows with smaller seqs are gone, and its largest one is
+    /// what remains), as a scan of the remaining rows would give.
+    pub(crate) fn apply_rowless(&mut self, event: StoredEvent, kept_seq: Option<i64>) {
+        let EventBody::Compaction { summary, .. } = &event.body else {
+            self.apply_shed(event);
+            return;
+        };
+        self.seq = event.seq;
+        let start = kept_seq.unwrap_or(event.seq + 1);
+        self.window_start = start;
+        self.rows.retain(|r| r.seq >= start);
+        self.evidence.retain(|_, seq| *seq >= start);
+        self.compaction = Some((summary.clone(), event.seq));
     }
 
     /// The materialized view of this state (meaningful at a refresh point).

@@ -754,6 +754,89 @@ async fn open_stream(app: &Router, uri: &str, last_event_id: Option<&str>) -> Bo
 }
 
 both_backends!(
+    a_stream_started_from_a_view_alone_follows_compactions,
+    |url: String| async move {
+        // A store that answers from the view alone whatever the window's
+        // length (as it does for a window of more than 2 000 events): the
+        // stream holds no window rows, and a compaction that keeps a row
+        // from before the view, then one that keeps a later row, move the
+        // window as the fold does.
+        let store = open(
+            &url,
+            StoreOptions {
+                rowless_window: 0,
+                ..StoreOptions::default()
+            },
+        )
+        .await;
+        let app = router(&store, ServerConfig::default());
+        let id = Uuid::new_v4();
+        let uri = events_uri(id);
+        let e = |seq: u32| format!("5e55a0d1-0000-4000-8000-{seq:012}");
+        let first = json!([
+            {"event_id": e(1), "type": "session_started", "mode": "code"},
+            {"event_id": e(2), "type": "catalog_defined", "mode": "code", "deferred_tools": ["web_fetch", "image_view"]},
+            {"event_id": e(3), "type": "prompt_submitted", "text": "p1"},
+            {"event_id": e(4), "type": "tool_call", "call_id": "c1", "tool_name": "ToolSearch", "input": null},
+            {"event_id": e(5), "type": "tool_result", "call_id": "c1", "tool_name": "ToolSearch", "status": "success", "added_tool_names": ["web_fetch"]},
+            {"event_id": e(6), "type": "prompt_submitted", "text": "p2"}
+        ]);
+        let (status, v) = post(
+            &app,
+            &uri,
+            None,
+            &json!({"expected_seq": 0, "events": first}),
+        )
+        .await;
+        assert_eq!(status, StatusCode::CREATED, "{v}");
+        // As after a restart: the append's state is not in the cache.
+        store.clear_cache();
+        let mut live = open_stream(&app, &format!("/v1/sessions/{id}/stream"), None).await;
+        let hello = read_sse(&mut live, 1).await;
+        assert_eq!(hello[0].0, "activations");
+        assert_eq!(
+            hello[0].2["tools"],
+            json!([{"name": "web_fetch", "evidence_seq": 5}])
+        );
+        let more = json!([
+            {"event_id": e(7), "type": "tool_call", "call_id": "c2", "tool_name": "ToolSearch", "input": null},
+            {"event_id": e(8), "type": "tool_result", "call_id": "c2", "tool_name": "ToolSearch", "status": "success", "added_tool_names": ["image_view"]},
+            {"event_id": e(9), "type": "compaction", "summary": "s1", "first_kept_event_id": e(4)},
+            {"event_id": e(10), "type": "prompt_submitted", "text": "p3"},
+            {"event_id": e(11), "type": "compaction", "summary": "s2", "first_kept_event_id": e(7)},
+            {"event_id": e(12), "type": "prompt_submitted", "text": "p4"}
+        ]);
+        let (status, v) = post(
+            &app,
+            &uri,
+            None,
+            &json!({"expected_seq": 6, "events": more}),
+        )
+        .await;
+        assert_eq!(status, StatusCode::CREATED, "{v}");
+        let got = read_sse(&mut live, 8).await;
+        let sets: Vec<(&str, &Value)> = got
+            .iter()
+            .filter(|(k, _, _)| k == "activations")
+            .map(|(_, i, v)| (i.as_str(), v))
+            .collect();
+        assert_eq!(sets.len(), 2, "{got:?}");
+        for (at, set) in sets {
+            let folded = store
+                .activations(id, Some(at.parse().unwrap()))
+                .await
+                .unwrap();
+            assert_eq!(*set, serde_json::to_value(folded).unwrap(), "at {at}");
+        }
+        // The second compaction left only image_view's evidence.
+        assert_eq!(
+            got[7].2["tools"],
+            json!([{"name": "image_view", "evidence_seq": 8}])
+        );
+    }
+);
+
+both_backends!(
     stream_sends_new_events_and_activations_and_resumes,
     |url: String| async move {
         let store = open(&url, StoreOptions::default()).await;

@@ -1166,7 +1166,9 @@ async fn stream(
             let refresh = state.refresh_seq == after;
             (state, refresh)
         }
-        None => (store.state(session_id, None).await?, true),
+        // A session with a long window (one never compacted) starts
+        // from its view alone, not its whole window.
+        None => (store.latest_without_rows(session_id).await?, true),
     };
     // The stream only ever announces activation sets: the window's texts,
     // inputs and outputs are not kept (one copy per open stream).
@@ -1271,7 +1273,14 @@ async fn feed_stream(
                     let (seq, refresh) = (ev.seq, ev.body.is_refresh_point());
                     let sent = sse_json("event", seq, &ev);
                     // The event itself goes to the state, shed of its texts.
-                    state.apply_shed(ev);
+                    if let Err(e) = store.apply_to_rowless(&mut state, ev).await {
+                        // The client resumes from the last event it got.
+                        warn!(cause = %e, "stream could not follow a compaction");
+                        let _ = tx
+                            .send(Ok(sse_json("error", state.seq, &ApiError::from(e).body)))
+                            .await;
+                        return;
+                    }
                     if tx.send(Ok(sent)).await.is_err() {
                         return;
                     }

@@ -1138,8 +1138,11 @@ impl Store {
     /// from its view and the events after it, without reading the window.
     /// A session that is never compacted has its whole log as its window:
     /// reading it took 0.8 s and 355 MB at 10^5 events
-    /// (docs/benchmarks.md, item 21).
-    async fn latest_without_rows(&self, session_id: Uuid) -> Result<SessionState> {
+    /// (docs/benchmarks.md, item 21). Also the state an HTTP stream starts
+    /// from, which then applies later events through
+    /// [`Store::apply_to_rowless`], so an open stream does not hold a long
+    /// window either.
+    pub(crate) async fn latest_without_rows(&self, session_id: Uuid) -> Result<SessionState> {
         match self.latest_fast(session_id, Needs::Evidence).await? {
             Some(Latest::Full(state)) => {
                 self.cache_state(state.clone());
@@ -1148,6 +1151,34 @@ impl Store {
             Some(Latest::Rowless(state)) => Ok(state),
             None => self.state_read(session_id, None).await,
         }
+    }
+
+    /// Applies an event to a state that may lack its window's rows
+    /// ([`SessionState::is_rowless`]), shed of its texts: a compaction's
+    /// kept row is looked up in the log, one statement, since the state
+    /// does not hold it. For a holder that answers only activation sets
+    /// (an HTTP stream) and the rowless reads.
+    pub(crate) async fn apply_to_rowless(
+        &self,
+        state: &mut SessionState,
+        event: StoredEvent,
+    ) -> Result<()> {
+        if !state.is_rowless() {
+            state.apply_shed(event);
+            return Ok(());
+        }
+        let kept = match &event.body {
+            EventBody::Compaction {
+                first_kept_event_id: Some(id),
+                ..
+            } => match &self.backend {
+                Backend::Sqlite(b) => b.seq_of(state.session_id, *id).await?,
+                Backend::Postgres(b) => b.seq_of(state.session_id, *id).await?,
+            },
+            _ => None,
+        };
+        state.apply_rowless(event, kept);
+        Ok(())
     }
 
     /// [`Store::state`] through a read transaction (the cache, the view and
@@ -1227,14 +1258,9 @@ impl Store {
             return Ok(None);
         }
         if window > max_window {
-            // The events are those after the view. A compaction among them
-            // moves the window's start to a row the view does not hold, and
-            // a page of them may not be all: the transactional path.
-            if events.len() as i64 >= FOLD_PAGE
-                || events
-                    .iter()
-                    .any(|e| matches!(e.body, EventBody::Compaction { .. }))
-            {
+            // The events are those after the view; a page of them may not
+            // be all: the transactional path.
+            if events.len() as i64 >= FOLD_PAGE {
                 return Ok(None);
             }
             if events
@@ -1247,8 +1273,8 @@ impl Store {
                 )));
             }
             let mut state = SessionState::from_view_without_rows(&view);
-            for e in &events {
-                state.apply(e);
+            for e in events {
+                self.apply_to_rowless(&mut state, e).await?;
             }
             return Ok(Some(Latest::Rowless(state)));
         }

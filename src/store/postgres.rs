@@ -285,6 +285,18 @@ impl PgBackend {
         head_seq(&self.pool, self.read_deadline, session_id).await
     }
 
+    /// The seq of one event of the session, if the log has it.
+    pub(crate) async fn seq_of(&self, session_id: Uuid, event_id: Uuid) -> Result<Option<i64>> {
+        trip(
+            self.read_deadline,
+            sqlx::query_scalar("SELECT seq FROM events WHERE event_id = $1 AND session_id = $2")
+                .bind(event_id)
+                .bind(session_id)
+                .fetch_optional(&self.pool),
+        )
+        .await
+    }
+
     /// Up to `limit` of the session's events after seq `after`, stopping
     /// after the one that brings the payloads read to `max_bytes` (at least
     /// one event when there is one): rows are decoded one at a time, so a

@@ -578,6 +578,16 @@ impl SqliteBackend {
         head_seq(&self.pool, session_id).await
     }
 
+    /// The seq of one event of the session, if the log has it.
+    pub(crate) async fn seq_of(&self, session_id: Uuid, event_id: Uuid) -> Result<Option<i64>> {
+        sqlx::query_scalar("SELECT seq FROM events WHERE event_id = ?1 AND session_id = ?2")
+            .bind(event_id.to_string())
+            .bind(session_id.to_string())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(Error::from_sqlx)
+    }
+
     /// Up to `limit` of the session's events after seq `after`, stopping
     /// after the one that brings the payloads read to `max_bytes` (at least
     /// one event when there is one): rows are decoded one at a time, so a
