@@ -14,7 +14,7 @@ use uuid::Uuid;
 use crate::audit::{reason_text, At, Explanation, Reason, Refresh};
 use crate::error::{Error, Rule, ValidationError};
 use crate::event::{parse_line, EventBody, LineKind, NewEvent, ParsedLine};
-use crate::projector::{Activations, Context};
+use crate::projector::{Activations, Context, ContextRow};
 use crate::store::query::{AnomalyKind, AnomalyQuery, ChangeQuery, EventQuery, Scope};
 use crate::store::{RetryPolicy, Store, StoreOptions};
 use crate::validate::DEFAULT_MAX_EVENT_BYTES;
@@ -866,11 +866,26 @@ async fn run_on(
             at_seq,
             json,
         } => {
-            let ctx = store.context(parse_session(&session)?, at_seq).await?;
-            if json {
-                print_json(out, &ctx)?;
-            } else {
-                print_context(&ctx, out).map_err(io)?;
+            let session = parse_session(&session)?;
+            match at_seq {
+                // The latest context of a long window is written as its
+                // rows are read, a page at a time.
+                None => {
+                    let (ctx, pages) = store.context_paged(session).await?;
+                    match pages {
+                        Some(pages) => print_context_paged(store, &ctx, pages, json, out).await?,
+                        None if json => print_json(out, &ctx)?,
+                        None => print_context(&ctx, out).map_err(io)?,
+                    }
+                }
+                Some(_) => {
+                    let ctx = store.context(session, at_seq).await?;
+                    if json {
+                        print_json(out, &ctx)?;
+                    } else {
+                        print_context(&ctx, out).map_err(io)?;
+                    }
+                }
             }
         }
         Command::Activations {
@@ -2141,6 +2156,17 @@ fn detail(body: &EventBody) -> String {
 }
 
 fn print_context(ctx: &Context, out: &mut dyn Write) -> std::io::Result<()> {
+    print_context_head(ctx, out)?;
+    for row in &ctx.rows {
+        print_context_row(row, out)?;
+    }
+    if ctx.rows.is_empty() {
+        writeln!(out, "(no transcript rows)")?;
+    }
+    Ok(())
+}
+
+fn print_context_head(ctx: &Context, out: &mut dyn Write) -> std::io::Result<()> {
     writeln!(
         out,
         "session {} as of seq {}, mode {}",
@@ -2150,20 +2176,65 @@ fn print_context(ctx: &Context, out: &mut dyn Write) -> std::io::Result<()> {
         Some(s) => writeln!(out, "summary: {}", clip(s, 70))?,
         None => writeln!(out, "summary: (none)")?,
     }
-    writeln!(out, "{:>6}  {:<18}  DETAIL", "SEQ", "TYPE")?;
-    for row in &ctx.rows {
-        writeln!(
-            out,
-            "{:>6}  {:<18}  {}",
-            row.seq,
-            row.body.type_name(),
-            detail(&row.body)
-        )?;
+    writeln!(out, "{:>6}  {:<18}  DETAIL", "SEQ", "TYPE")
+}
+
+fn print_context_row(row: &ContextRow, out: &mut dyn Write) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "{:>6}  {:<18}  {}",
+        row.seq,
+        row.body.type_name(),
+        detail(&row.body)
+    )
+}
+
+/// [`print_context`] or [`print_json`] of a context whose rows come in
+/// pages ([`Store::context_paged`]), written as they are read: the same
+/// text, byte for byte, as the whole answer would print.
+async fn print_context_paged(
+    store: &Store,
+    head: &Context,
+    mut pages: crate::store::EventPages,
+    json: bool,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
+    fn as_json<T: serde::Serialize>(v: &T) -> Result<String, CliError> {
+        serde_json::to_string(v)
+            .map_err(|e| CliError::Io(format!("cannot print the answer as JSON: {e}")))
     }
-    if ctx.rows.is_empty() {
-        writeln!(out, "(no transcript rows)")?;
+    if json {
+        // The head's object without its closing brace, then the rows.
+        let text = as_json(head)?;
+        let open = text
+            .strip_suffix(",\"rows\":[]}")
+            .ok_or_else(|| CliError::Io("cannot print the context as JSON".to_owned()))?;
+        write!(out, "{open},\"rows\":[").map_err(io)?;
+    } else {
+        print_context_head(head, out).map_err(io)?;
     }
-    Ok(())
+    let mut first = true;
+    while let Some(page) = pages.next_page(store).await? {
+        for e in page.into_iter().filter(|e| e.body.is_row()) {
+            let row = ContextRow {
+                seq: e.seq,
+                event_id: e.event_id,
+                body: e.body,
+            };
+            if json {
+                let sep = if first { "" } else { "," };
+                write!(out, "{sep}{}", as_json(&row)?).map_err(io)?;
+            } else {
+                print_context_row(&row, out).map_err(io)?;
+            }
+            first = false;
+        }
+    }
+    match json {
+        true => writeln!(out, "]}}").map_err(io),
+        false if first => writeln!(out, "(no transcript rows)").map_err(io),
+        false => Ok(()),
+    }
 }
 
 fn print_activations(act: &Activations, out: &mut dyn Write) -> std::io::Result<()> {

@@ -1547,3 +1547,70 @@ fn a_write_held_up_by_another_process_lock_exits_4_at_the_write_timeout() {
             .unwrap();
     });
 }
+
+/// The latest context of a long window (more than the 2 000 events the
+/// store reads as a window) is written as its rows are read, a page at a
+/// time; it prints the same bytes, JSON and text, as the fold of the log
+/// (`--at-seq` the latest seq) does: a session never compacted, and one
+/// whose compaction after the last prompt keeps almost all of it.
+#[test]
+fn a_long_context_prints_page_by_page_what_the_fold_prints() {
+    for (backend, db) in backends() {
+        for compacted in [false, true] {
+            let session = uuid::Uuid::new_v4().to_string();
+            let line = |body: &str| format!(r#"{{"session_id":"{session}",{body}}}"#);
+            let mut lines = vec![
+                line(r#""type":"session_started","mode":"agent""#),
+                line(r#""type":"catalog_defined","mode":"agent","deferred_tools":["web_fetch"]"#),
+            ];
+            for i in 0..700 {
+                lines.push(line(&format!(r#""type":"prompt_submitted","text":"p{i}""#)));
+                lines.push(line(&format!(
+                    r#""type":"tool_call","call_id":"c{i}","tool_name":"web_fetch","input":{{"n":{i}}}"#
+                )));
+                lines.push(line(&format!(
+                    r#""type":"tool_result","call_id":"c{i}","tool_name":"web_fetch","status":"success","output":"o{i}""#
+                )));
+            }
+            let out = run(&db.url, &["import"], Some(&(lines.join("\n") + "\n")));
+            assert!(out.status.success(), "{backend}: {}", stderr(&out));
+            let mut last = lines.len();
+            if compacted {
+                // Keep from the 5th event (the first prompt's call).
+                let history = stdout(&run(
+                    &db.url,
+                    &["history", &session, "--json", "--limit", "5"],
+                    None,
+                ));
+                let kept: Value = serde_json::from_str(history.lines().nth(3).unwrap()).unwrap();
+                let tail = [
+                    line(&format!(
+                        r#""type":"compaction","summary":"s","first_kept_event_id":"{}""#,
+                        kept["event_id"].as_str().unwrap()
+                    )),
+                    line(r#""type":"assistant_message","text":"after""#),
+                ];
+                let out = run(&db.url, &["import"], Some(&(tail.join("\n") + "\n")));
+                assert!(out.status.success(), "{backend}: {}", stderr(&out));
+                last += tail.len();
+            }
+            let latest = last.to_string();
+            for json in [true, false] {
+                let mut paged = vec!["context", session.as_str()];
+                if json {
+                    paged.push("--json");
+                }
+                let mut folded = paged.clone();
+                folded.extend(["--at-seq", latest.as_str()]);
+                let (a, b) = (run(&db.url, &paged, None), run(&db.url, &folded, None));
+                assert!(a.status.success(), "{backend}: {}", stderr(&a));
+                assert!(b.status.success(), "{backend}: {}", stderr(&b));
+                assert!(stdout(&a).lines().count() > if json { 0 } else { 2_000 });
+                assert!(
+                    stdout(&a) == stdout(&b),
+                    "{backend} compacted={compacted} json={json}: the paged context differs from the fold"
+                );
+            }
+        }
+    }
+}

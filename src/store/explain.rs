@@ -1,7 +1,8 @@
 //! `explain` and `refreshes` on a stored session: one streaming pass over
 //! the log through [`crate::audit`], page by page, so the answer comes from
 //! the log alone (never from the view it audits) without holding the
-//! session in memory.
+//! session in memory. The same pages carry a long context's rows
+//! ([`Store::context_paged`]).
 
 use uuid::Uuid;
 
@@ -9,6 +10,7 @@ use super::{Store, FOLD_PAGE};
 use crate::audit::{At, Auditor, Explanation, Refresh, RefreshTracker};
 use crate::error::{Error, Result};
 use crate::event::{EventBody, StoredEvent};
+use crate::projector::Context;
 
 impl Store {
     /// Whether `tool` is in the activation set of `session_id` at `at`, and
@@ -74,6 +76,35 @@ impl Store {
             after: 0,
             done: false,
         })
+    }
+
+    /// The latest effective context (§5). A context whose window is
+    /// short comes whole, with `None`. A long one (a session never
+    /// compacted has its whole log as its window) comes without its rows,
+    /// and with the pages of events that hold them: the events after
+    /// `window_start - 1` up to the answer's seq, of which the transcript
+    /// rows are the context's rows, in order. A caller that writes the
+    /// answer as it reads it (the CLI) holds a page, not the session; the
+    /// rows are the log's, which never change, so later pages agree with
+    /// the answer's seq.
+    pub async fn context_paged(&self, session_id: Uuid) -> Result<(Context, Option<EventPages>)> {
+        let state = self.latest_without_rows(session_id).await?;
+        if !state.is_rowless() {
+            return Ok((state.context(), None));
+        }
+        // A rowless state's rows are only those after its view, shed of
+        // their texts: none of them is the answer's.
+        let mut head = state.context();
+        head.rows.clear();
+        let pages = EventPages {
+            session_id,
+            target: state.seq,
+            prompt: None,
+            prompts: 0,
+            after: state.window_start - 1,
+            done: false,
+        };
+        Ok((head, Some(pages)))
     }
 
     /// Feeds the session's events from seq 1 up to `at` to `f`, a page at
