@@ -341,9 +341,10 @@ pub enum ImportFormat {
 /// Flags of `serve`.
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
-    /// Address to listen on; port 0 picks a free one (the line printed at
-    /// start names it).
-    #[arg(long, default_value = "127.0.0.1:8080")]
+    /// Address to listen on, IP:PORT or HOST:PORT (`localhost:8080`; a
+    /// name is resolved once, at start, to its first address); port 0
+    /// picks a free one (the line printed at start names it).
+    #[arg(long, default_value = "127.0.0.1:8080", value_parser = parse_listen)]
     pub listen: std::net::SocketAddr,
     /// The token document (JSON: {"tokens": [{"token", "tenant",
     /// "scopes"}]}); SESSION_STORE_TOKENS may hold the document itself.
@@ -597,6 +598,20 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
         tracing::debug!("the store did not close within its timeout; exiting without waiting");
     }
     result
+}
+
+/// `--listen`: an IP and port, or a host name and port resolved to its
+/// first address (`localhost:8080` is as common as `127.0.0.1:8080`).
+fn parse_listen(s: &str) -> Result<std::net::SocketAddr, String> {
+    if let Ok(addr) = s.parse() {
+        return Ok(addr);
+    }
+    let said =
+        |why: String| format!("{s:?} is not an address to listen on (IP:PORT or HOST:PORT): {why}");
+    let mut addrs = std::net::ToSocketAddrs::to_socket_addrs(s).map_err(|e| said(e.to_string()))?;
+    addrs
+        .next()
+        .ok_or_else(|| said("the name has no address".to_owned()))
 }
 
 /// The longest wait a seconds flag takes: a year. Beyond it a deadline

@@ -274,3 +274,47 @@ fn serve_refuses_a_public_address_without_tokens() {
         "the token itself is not echoed: {err}"
     );
 }
+
+/// `--listen` takes a host name as well as an IP (resolved once, to a
+/// loopback address for `localhost`, so no tokens are needed), and an
+/// address that is neither is a usage error naming the flag and the value.
+#[test]
+fn serve_listens_on_a_host_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("s.db");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_session-store"))
+        .arg("--database")
+        .arg(&db)
+        .args(["serve", "--listen", "localhost:0"])
+        .env_remove("SESSION_STORE_TOKENS")
+        .env_remove("SESSION_STORE_TOKENS_FILE")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(
+        line.starts_with("listening on http://127.0.0.1:")
+            || line.starts_with("listening on http://[::1]:"),
+        "{line}"
+    );
+
+    let out = Command::new(env!("CARGO_BIN_EXE_session-store"))
+        .arg("--database")
+        .arg(&db)
+        .args(["serve", "--listen", "localhost"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(r#""localhost" is not an address to listen on (IP:PORT or HOST:PORT)"#),
+        "{err}"
+    );
+}
