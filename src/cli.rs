@@ -2219,23 +2219,17 @@ async fn print_context_paged(
             .map_err(|e| CliError::Io(format!("cannot print the answer as JSON: {e}")))
     }
     if json {
-        // The head's object without its closing brace, then the rows.
-        let text = as_json(head)?;
-        let open = text
-            .strip_suffix(",\"rows\":[]}")
-            .ok_or_else(|| CliError::Io("cannot print the context as JSON".to_owned()))?;
-        write!(out, "{open},\"rows\":[").map_err(io)?;
+        let open = head
+            .json_head()
+            .map_err(|e| CliError::Io(format!("cannot print the answer as JSON: {e}")))?;
+        write!(out, "{open}").map_err(io)?;
     } else {
         print_context_head(head, out).map_err(io)?;
     }
     let mut first = true;
     while let Some(page) = pages.next_page(store).await? {
         for e in page.into_iter().filter(|e| e.body.is_row()) {
-            let row = ContextRow {
-                seq: e.seq,
-                event_id: e.event_id,
-                body: e.body,
-            };
+            let row = ContextRow::from(e);
             if json {
                 let sep = if first { "" } else { "," };
                 write!(out, "{sep}{}", as_json(&row)?).map_err(io)?;

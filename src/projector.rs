@@ -110,6 +110,39 @@ pub struct Context {
     pub rows: Vec<ContextRow>,
 }
 
+impl Context {
+    /// The JSON text of this context without its rows, up to the opening
+    /// of the `rows` array: for a writer that streams a long context's
+    /// rows ([`crate::Store::context_paged`]). Each row's `serde_json`
+    /// text follows, separated by commas, then `]}`; the whole is the
+    /// same text as this context's with those rows.
+    pub fn json_head(&self) -> serde_json::Result<String> {
+        let empty = Context {
+            session_id: self.session_id,
+            as_of_seq: self.as_of_seq,
+            mode: self.mode.clone(),
+            summary: self.summary.clone(),
+            rows: Vec::new(),
+        };
+        let text = serde_json::to_string(&empty)?;
+        // The rows are the last field (serde writes fields in order).
+        Ok(text
+            .strip_suffix("[]}")
+            .map(|open| format!("{open}["))
+            .unwrap_or(text))
+    }
+}
+
+impl From<StoredEvent> for ContextRow {
+    fn from(e: StoredEvent) -> ContextRow {
+        ContextRow {
+            seq: e.seq,
+            event_id: e.event_id,
+            body: e.body,
+        }
+    }
+}
+
 /// One row of [`Context`]: the stored event without the global envelope.
 #[derive(Clone, Debug, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct ContextRow {

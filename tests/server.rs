@@ -753,6 +753,93 @@ async fn open_stream(app: &Router, uri: &str, last_event_id: Option<&str>) -> Bo
     response.into_body()
 }
 
+/// A server on a store that reads no window for its latest answers, as
+/// it does for a window longer than 2 000 events: what a session never
+/// compacted gets, without writing 2 000 events.
+async fn rowless_app(url: &str) -> (Arc<Store>, Router) {
+    let store = open(
+        url,
+        StoreOptions {
+            rowless_window: 0,
+            ..StoreOptions::default()
+        },
+    )
+    .await;
+    let app = router(&store, ServerConfig::default());
+    (store, app)
+}
+
+/// GET …/context (cold) and the fold's answer (`at_seq`) are the same
+/// bytes; answers how many rows it has.
+async fn same_context_as_the_fold(app: &Router, store: &Store, id: Uuid, latest: i64) -> usize {
+    store.clear_cache();
+    let mut texts = Vec::new();
+    for uri in [
+        format!("/v1/sessions/{id}/context"),
+        format!("/v1/sessions/{id}/context?at_seq={latest}"),
+    ] {
+        let (s, _, t) = call(app, Method::GET, &uri, None, None, Body::empty()).await;
+        assert_eq!(s, StatusCode::OK, "{t}");
+        texts.push(t);
+    }
+    assert!(
+        texts[0] == texts[1],
+        "the streamed context differs from the fold at {latest}"
+    );
+    let v: Value = serde_json::from_str(&texts[0]).unwrap();
+    v["rows"].as_array().unwrap().len()
+}
+
+both_backends!(
+    a_long_context_is_sent_as_its_rows_are_read,
+    |url: String| async move {
+        // A store that reads no window for the latest answers (as for a
+        // window of more than 2 000 events): GET …/context writes the
+        // rows a page at a time, the same bytes as the fold's answer
+        // (`at_seq` the latest), before and after a compaction that keeps
+        // a row from before the view.
+        let (store, app) = rowless_app(&url).await;
+        let id = Uuid::new_v4();
+        let uri = events_uri(id);
+        let mut events = vec![
+            json!({"event_id": "5e55a0d1-0000-4000-8000-000000000001", "type": "session_started", "mode": "code"}),
+        ];
+        for i in 0..2_100 {
+            events.push(json!({"type": "prompt_submitted", "text": format!("p{i} \u{1b}")}));
+        }
+        events.push(json!({"event_id": "5e55a0d1-0000-4000-8000-000000000099", "type": "assistant_message", "text": "a"}));
+        let (status, v) = post(
+            &app,
+            &uri,
+            None,
+            &json!({"expected_seq": 0, "events": events}),
+        )
+        .await;
+        assert_eq!(status, StatusCode::CREATED, "{v}");
+        assert_eq!(
+            same_context_as_the_fold(&app, &store, id, 2_102).await,
+            2_101
+        );
+        let kept = store.history(id, 10, 1).await.unwrap()[0].event_id;
+        let (status, v) = post(
+            &app,
+            &uri,
+            None,
+            &json!({"expected_seq": 2_102, "events": [
+                {"type": "compaction", "summary": "s", "first_kept_event_id": kept},
+                {"type": "assistant_message", "text": "b"}
+            ]}),
+        )
+        .await;
+        assert_eq!(status, StatusCode::CREATED, "{v}");
+        // Rows 11 to 2 101, and the two assistant messages.
+        assert_eq!(
+            same_context_as_the_fold(&app, &store, id, 2_104).await,
+            2_093
+        );
+    }
+);
+
 both_backends!(
     a_stream_started_from_a_view_alone_follows_compactions,
     |url: String| async move {
@@ -761,15 +848,7 @@ both_backends!(
         // stream holds no window rows, and a compaction that keeps a row
         // from before the view, then one that keeps a later row, move the
         // window as the fold does.
-        let store = open(
-            &url,
-            StoreOptions {
-                rowless_window: 0,
-                ..StoreOptions::default()
-            },
-        )
-        .await;
-        let app = router(&store, ServerConfig::default());
+        let (store, app) = rowless_app(&url).await;
         let id = Uuid::new_v4();
         let uri = events_uri(id);
         let e = |seq: u32| format!("5e55a0d1-0000-4000-8000-{seq:012}");

@@ -226,18 +226,26 @@ pub(super) async fn refreshes(
         }
         let _ = tx.send(Ok(out.finish())).await;
     });
-    // Shutdown cuts the body off, as it ends event streams, pages already
-    // made included: a long answer to a slow reader must not hold the
-    // server up to its grace.
+    Ok(streamed_json(&server, rx))
+}
+
+/// A JSON answer whose body comes from `rx` as a task makes it. Shutdown
+/// cuts the body off, as it ends event streams, pages already made
+/// included: a long answer to a slow reader must not hold the server up
+/// to its grace.
+pub(super) fn streamed_json(
+    server: &Server,
+    rx: mpsc::Receiver<Result<Vec<u8>, crate::error::Error>>,
+) -> Response {
     let mut shutdown = server.inner.shutdown.subscribe();
     let cut = Box::pin(async move {
         let _ = shutdown.wait_for(|s| *s).await;
     });
-    Ok((
+    (
         [(header::CONTENT_TYPE, "application/json")],
         Body::from_stream(CutOff { rx, cut: Some(cut) }),
     )
-        .into_response())
+        .into_response()
 }
 
 /// The query of the `/v1/audit` routes, each of which takes only some of

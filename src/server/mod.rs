@@ -42,7 +42,7 @@ use uuid::Uuid;
 
 use crate::error::{Rule, ValidationError};
 use crate::event::{parse_event_object, LineKind, NewEvent, StoredEvent};
-use crate::projector::{Activations, Context, SessionState};
+use crate::projector::{Activations, Context, ContextRow, SessionState};
 use crate::store::{Appended, Recovery, Store};
 use crate::Error;
 
@@ -1024,12 +1024,62 @@ async fn context(
     headers: HeaderMap,
     SessionPath(id): SessionPath,
     q: Result<Query<AtSeqQuery>, QueryRejection>,
-) -> Result<Json<Context>, ApiError> {
+) -> Result<Response, ApiError> {
     let (_, session_id) = server.session_for(&headers, Scope::Read, &id).await?;
     let q = query(q)?;
-    Ok(Json(
-        server.inner.store.context(session_id, q.at_seq).await?,
-    ))
+    let store = server.inner.store.clone();
+    if q.at_seq.is_some() {
+        return Ok(Json(store.context(session_id, q.at_seq).await?).into_response());
+    }
+    let (head, pages) = store.context_paged(session_id).await?;
+    let Some(mut pages) = pages else {
+        return Ok(Json(head).into_response());
+    };
+    // A long window (a session never compacted) is sent as its rows are
+    // read, a page at a time: built whole, one answer could take the
+    // server gigabytes. A failure after the first bytes cuts the body off
+    // (an unfinished JSON document, never a shorter context).
+    let open = head.json_head().map_err(|e| {
+        ApiError::from(crate::error::Error::Database(format!(
+            "the context could not be written as JSON: {e}"
+        )))
+    })?;
+    let (tx, rx) = mpsc::channel::<Result<Vec<u8>, crate::error::Error>>(2);
+    tokio::spawn(async move {
+        let mut buf = open.into_bytes();
+        let mut first = true;
+        loop {
+            let page = match pages.next_page(&store).await {
+                Ok(Some(page)) => page,
+                Ok(None) => break,
+                Err(e) => {
+                    warn!(%session_id, cause = %e, "context cut off");
+                    let _ = tx.send(Err(e)).await;
+                    return;
+                }
+            };
+            for e in page.into_iter().filter(|e| e.body.is_row()) {
+                if !first {
+                    buf.push(b',');
+                }
+                first = false;
+                if let Err(e) = serde_json::to_writer(&mut buf, &ContextRow::from(e)) {
+                    let _ = tx
+                        .send(Err(crate::error::Error::Database(format!(
+                            "a context row could not be written as JSON: {e}"
+                        ))))
+                        .await;
+                    return;
+                }
+            }
+            if tx.send(Ok(std::mem::take(&mut buf))).await.is_err() {
+                return;
+            }
+        }
+        buf.extend_from_slice(b"]}");
+        let _ = tx.send(Ok(buf)).await;
+    });
+    Ok(audit::streamed_json(&server, rx))
 }
 
 /// The deferred activation set (SEMANTICS §7, shape §9).
