@@ -57,9 +57,9 @@ pub struct SessionState {
     /// answers from stale evidence).
     evidence: BTreeMap<String, i64>,
     /// Built from a view without the window's rows
-    /// ([`SessionState::from_view_without_rows`]): `rows` holds only what
-    /// came after the view, and a compaction needs the seq of the row it
-    /// keeps from ([`SessionState::apply_rowless`]).
+    /// ([`SessionState::from_view_without_rows`]): `rows` and `calls` stay
+    /// empty, and a compaction needs the seq of the row it keeps from
+    /// ([`SessionState::apply_rowless`]).
     rowless: bool,
 }
 
@@ -388,8 +388,9 @@ impl SessionState {
         self.rowless
     }
 
-    /// Applies one event to a rowless state, shed of its texts as
-    /// [`SessionState::apply_shed`] does. A compaction cannot find the row
+    /// Applies one event to a rowless state, keeping only what the
+    /// activation set reads (mode, catalogs, evidence, the window's
+    /// bounds). A compaction cannot find the row
     /// it keeps from among rows the state does not hold, so the caller
     /// gives that row's seq (`kept_seq`, looked up in the log; `None` when
     /// it keeps nothing). §4 has every stored compaction keep from a
@@ -400,7 +401,14 @@ impl SessionState {
     /// what remains), as a scan of the remaining rows would give.
     pub(crate) fn apply_rowless(&mut self, event: StoredEvent, kept_seq: Option<i64>) {
         let EventBody::Compaction { summary, .. } = &event.body else {
-            self.apply_shed(event);
+            // Only the evidence is kept: a rowless state answers activation
+            // sets, so neither rows nor calls are held, however long the
+            // events after its view run (an agent's loop of tool calls
+            // with no prompt between).
+            if self.fold_in(&event) {
+                note_evidence(&mut self.evidence, &event);
+            }
+            self.calls.clear();
             return;
         };
         self.seq = event.seq;

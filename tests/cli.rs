@@ -1551,12 +1551,14 @@ fn a_write_held_up_by_another_process_lock_exits_4_at_the_write_timeout() {
 /// The latest context of a long window (more than the 2 000 events the
 /// store reads as a window) is written as its rows are read, a page at a
 /// time; it prints the same bytes, JSON and text, as the fold of the log
-/// (`--at-seq` the latest seq) does: a session never compacted, and one
-/// whose compaction after the last prompt keeps almost all of it.
+/// (`--at-seq` the latest seq) does: a session never compacted, one whose
+/// compaction after the last prompt keeps almost all of it, and one whose
+/// only prompt is its first (a short window at the view, and 2 000
+/// events after it).
 #[test]
 fn a_long_context_prints_page_by_page_what_the_fold_prints() {
     for (backend, db) in backends() {
-        for compacted in [false, true] {
+        for (compacted, prompts) in [(false, true), (true, true), (false, false)] {
             let session = uuid::Uuid::new_v4().to_string();
             let line = |body: &str| format!(r#"{{"session_id":"{session}",{body}}}"#);
             let mut lines = vec![
@@ -1564,7 +1566,14 @@ fn a_long_context_prints_page_by_page_what_the_fold_prints() {
                 line(r#""type":"catalog_defined","mode":"agent","deferred_tools":["web_fetch"]"#),
             ];
             for i in 0..700 {
-                lines.push(line(&format!(r#""type":"prompt_submitted","text":"p{i}""#)));
+                // Without prompts after the first, the view stays at seq 3
+                // and 2 000 events follow it.
+                let text = format!(r#""type":"prompt_submitted","text":"p{i}""#);
+                lines.push(line(&if prompts || i == 0 {
+                    text
+                } else {
+                    r#""type":"assistant_message","text":"thinking""#.to_owned()
+                }));
                 lines.push(line(&format!(
                     r#""type":"tool_call","call_id":"c{i}","tool_name":"web_fetch","input":{{"n":{i}}}"#
                 )));
@@ -1608,7 +1617,7 @@ fn a_long_context_prints_page_by_page_what_the_fold_prints() {
                 assert!(stdout(&a).lines().count() > if json { 0 } else { 2_000 });
                 assert!(
                     stdout(&a) == stdout(&b),
-                    "{backend} compacted={compacted} json={json}: the paged context differs from the fold"
+                    "{backend} compacted={compacted} prompts={prompts} json={json}: the paged context differs from the fold"
                 );
             }
         }

@@ -877,6 +877,12 @@ both_backends!(
             hello[0].2["tools"],
             json!([{"name": "web_fetch", "evidence_seq": 5}])
         );
+        // A client reconnecting at the view (its last event, 6) starts
+        // from the view alone too, and is sent the set at 6 again.
+        let mut resumed = open_stream(&app, &format!("/v1/sessions/{id}/stream"), Some("6")).await;
+        let again = read_sse(&mut resumed, 1).await;
+        assert_eq!(again[0].0, "activations");
+        assert_eq!(again[0].2, hello[0].2);
         let more = json!([
             {"event_id": e(7), "type": "tool_call", "call_id": "c2", "tool_name": "ToolSearch", "input": null},
             {"event_id": e(8), "type": "tool_result", "call_id": "c2", "tool_name": "ToolSearch", "status": "success", "added_tool_names": ["image_view"]},
@@ -894,6 +900,7 @@ both_backends!(
         .await;
         assert_eq!(status, StatusCode::CREATED, "{v}");
         let got = read_sse(&mut live, 8).await;
+        assert_eq!(read_sse(&mut resumed, 8).await, got, "the resumed stream");
         let sets: Vec<(&str, &Value)> = got
             .iter()
             .filter(|(k, _, _)| k == "activations")

@@ -282,3 +282,106 @@ fn a_long_uncompacted_session_is_answered_from_its_view_on_postgres() {
     };
     runtime().block_on(long_uncompacted_session(&db.url));
 }
+
+/// A session whose last refresh point is its first prompt, followed by an
+/// agent's loop of more than a page (2 000 events) of tool calls and
+/// results with no prompt between: the window at the view is short, what
+/// follows it is long. The activation set and recovery read the rest page
+/// by page without holding it, and equal the fold's, before and after a
+/// compaction in it.
+async fn long_tail_after_the_view(url: &str) {
+    use session_store::event::ToolStatus;
+    use session_store::EventBody;
+    let session = Uuid::new_v4();
+    let store = Store::open(url).await.unwrap();
+    let mut log = vec![
+        NewEvent::new(EventBody::SessionStarted {
+            mode: "agent".into(),
+            metadata: None,
+        }),
+        NewEvent::new(EventBody::CatalogDefined {
+            mode: "agent".into(),
+            deferred_tools: vec!["web_fetch".into(), "image_view".into()],
+        }),
+        NewEvent::new(EventBody::PromptSubmitted { text: "go".into() }),
+    ];
+    for i in 0..1_300 {
+        log.push(NewEvent::new(EventBody::ToolCall {
+            call_id: format!("c{i}"),
+            tool_name: "ToolSearch".into(),
+            input: serde_json::Value::Null,
+        }));
+        log.push(NewEvent::new(EventBody::ToolResult {
+            call_id: format!("c{i}"),
+            tool_name: "ToolSearch".into(),
+            status: if i % 7 == 0 {
+                ToolStatus::Error
+            } else {
+                ToolStatus::Success
+            },
+            output: None,
+            added_tool_names: (i % 7 != 0).then(|| {
+                vec![if i % 2 == 0 {
+                    "web_fetch"
+                } else {
+                    "image_view"
+                }
+                .into()]
+            }),
+        }));
+    }
+    let mut seq = 0;
+    for chunk in log.chunks(500) {
+        store.append(session, seq, chunk.to_vec()).await.unwrap();
+        seq += chunk.len() as i64;
+    }
+    let check = |what: &'static str| {
+        let url = url.to_owned();
+        async move {
+            let store = Store::open(&url).await.unwrap();
+            let all = store.history(session, 0, 100_000).await.unwrap();
+            let expected = SessionState::fold(session, &all);
+            assert_eq!(
+                store.activations(session, None).await.unwrap(),
+                expected.activations(),
+                "{what}"
+            );
+            store.clear_cache();
+            let r = store.recover(session).await.unwrap();
+            assert_eq!(r.latest_seq, expected.seq, "{what}");
+            assert_eq!(r.tools, expected.activation_set(), "{what}");
+            assert_eq!(r.context_start_seq, expected.window_start, "{what}");
+            store.close().await;
+        }
+    };
+    check("a long tail").await;
+    let kept = store.history(session, seq - 10, 1).await.unwrap()[0].event_id;
+    store
+        .append(
+            session,
+            seq,
+            vec![NewEvent::new(EventBody::Compaction {
+                summary: "s".into(),
+                first_kept_event_id: Some(kept),
+                tokens_before: None,
+            })],
+        )
+        .await
+        .unwrap();
+    check("a long tail and a compaction in it").await;
+    store.close().await;
+}
+
+#[test]
+fn a_long_tail_after_the_view_is_read_page_by_page_on_sqlite() {
+    let db = common::sqlite_db();
+    runtime().block_on(long_tail_after_the_view(&db.url));
+}
+
+#[test]
+fn a_long_tail_after_the_view_is_read_page_by_page_on_postgres() {
+    let Some(db) = common::postgres_db() else {
+        return;
+    };
+    runtime().block_on(long_tail_after_the_view(&db.url));
+}

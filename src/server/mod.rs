@@ -1212,7 +1212,12 @@ async fn stream(
         // the set at a refresh point N is sent again (twice at most, the
         // same set both times).
         Some(after) => {
-            let state = store.state_resuming(session_id, after).await?;
+            // A long window is not read when the view is at or before the
+            // cursor (a client reconnecting after the latest refresh point).
+            let state = match store.rowless_resuming(session_id, after).await? {
+                Some(state) => state,
+                None => store.state_resuming(session_id, after).await?,
+            };
             let refresh = state.refresh_seq == after;
             (state, refresh)
         }

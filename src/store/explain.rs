@@ -6,7 +6,7 @@
 
 use uuid::Uuid;
 
-use super::{Store, FOLD_PAGE};
+use super::{Store, FOLD_PAGE, FOLD_PAGE_BYTES};
 use crate::audit::{At, Auditor, Explanation, Refresh, RefreshTracker};
 use crate::error::{Error, Result};
 use crate::event::{EventBody, StoredEvent};
@@ -156,10 +156,11 @@ impl EventPages {
         let mut page = match self.after < self.target {
             true => {
                 store
-                    .history(
+                    .history_within(
                         self.session_id,
                         self.after,
                         FOLD_PAGE.min(self.target - self.after),
+                        FOLD_PAGE_BYTES,
                     )
                     .await?
             }

@@ -55,6 +55,11 @@ use crate::validate::DEFAULT_MAX_EVENT_BYTES;
 /// How many events one read fetches when folding a log.
 const FOLD_PAGE: i64 = 2_000;
 
+/// The most bytes of payloads a page of a rowless fold or of a long
+/// context reads at once (more by at most one event): 2 000 events of a
+/// few KB, but not 2 000 of the largest accepted size.
+const FOLD_PAGE_BYTES: usize = 4 << 20;
+
 /// The longest window an answer that needs no rows reads (the activation
 /// set, recovery); a longer one is answered from the view's evidence and
 /// the events after it ([`Store::activations`]). At or below it, the
@@ -1153,6 +1158,84 @@ impl Store {
         }
     }
 
+    /// The rowless state of a view ([`SessionState::from_view_without_rows`])
+    /// with the events after it up to `upto` applied: `first`, a first page
+    /// of them as the view's read gave it, then the log's next pages. The
+    /// later pages may hold events appended since that read: the log is
+    /// append-only, so the state is still the fold of a prefix of it.
+    async fn rowless_from(
+        &self,
+        view: &View,
+        first: Vec<StoredEvent>,
+        upto: i64,
+    ) -> Result<SessionState> {
+        let session_id = view.session_id;
+        if first.first().is_some_and(|e| e.seq != view.refresh_seq + 1) {
+            return Err(Error::Corrupt(format!(
+                "session {session_id}: the view is at seq {} but the next event the log has is at seq {}",
+                view.refresh_seq, first[0].seq
+            )));
+        }
+        let mut state = SessionState::from_view_without_rows(view);
+        // The first page is all there was unless it is full; a later one
+        // may be short for its bytes, so only an empty one ends.
+        let mut more = first.len() as i64 >= FOLD_PAGE;
+        let mut page = first;
+        loop {
+            for e in page {
+                if e.seq > upto {
+                    return Ok(state);
+                }
+                self.apply_to_rowless(&mut state, e).await?;
+            }
+            if !more || state.seq >= upto {
+                return Ok(state);
+            }
+            page = self
+                .history_within(session_id, state.seq, FOLD_PAGE, FOLD_PAGE_BYTES)
+                .await?;
+            more = !page.is_empty();
+        }
+    }
+
+    /// The state after event `seq` of a session whose window at `seq` is
+    /// longer than [`StoreOptions::rowless_window`], from its view alone
+    /// when the view is at or before `seq` (a stream resuming after the
+    /// latest refresh point, as every reconnecting client does): what
+    /// [`Store::state_resuming`] answers for activation sets, without
+    /// reading the window. `None` when that window is short, the view is
+    /// past `seq`, or `seq` is past the session's head (that path says
+    /// why).
+    #[cfg(feature = "server")]
+    pub(crate) async fn rowless_resuming(
+        &self,
+        session_id: Uuid,
+        seq: i64,
+    ) -> Result<Option<SessionState>> {
+        let max_window = self.options.rowless_window;
+        let found = match &self.backend {
+            Backend::Sqlite(b) => b.view_and_window(session_id, FOLD_PAGE, max_window).await?,
+            Backend::Postgres(b) => b.view_and_window(session_id, FOLD_PAGE, max_window).await?,
+        };
+        let Some((row, events)) = found else {
+            return Ok(None);
+        };
+        let view = row.to_view()?;
+        // Short up to `seq` (its window and the events after the view),
+        // or a view past it: the path that reads the window.
+        if seq - view.window_start < max_window || view.refresh_seq > seq {
+            return Ok(None);
+        }
+        // A short window came with the events: only those after the view
+        // count here.
+        let tail: Vec<StoredEvent> = events
+            .into_iter()
+            .filter(|e| e.seq > view.refresh_seq)
+            .collect();
+        let state = self.rowless_from(&view, tail, seq).await?;
+        Ok((state.seq == seq).then_some(state))
+    }
+
     /// Applies an event to a state that may lack its window's rows
     /// ([`SessionState::is_rowless`]), shed of its texts: a compaction's
     /// kept row is looked up in the log, one statement, since the state
@@ -1258,36 +1341,30 @@ impl Store {
             return Ok(None);
         }
         if window > max_window {
-            // The events are those after the view; a page of them may not
-            // be all: the transactional path.
-            if events.len() as i64 >= FOLD_PAGE {
-                return Ok(None);
-            }
-            if events
-                .first()
-                .is_some_and(|e| e.seq != view.refresh_seq + 1)
-            {
-                return Err(Error::Corrupt(format!(
-                    "session {session_id}: the view is at seq {} but the next event the log has is at seq {}",
-                    view.refresh_seq, events[0].seq
-                )));
-            }
-            let mut state = SessionState::from_view_without_rows(&view);
-            for e in events {
-                self.apply_to_rowless(&mut state, e).await?;
-            }
+            // The events are those after the view (a first page of them).
+            let state = self.rowless_from(&view, events, i64::MAX).await?;
             return Ok(Some(Latest::Rowless(state)));
         }
         let limit = window + FOLD_PAGE;
-        if events.len() as i64 >= limit {
-            return Ok(None);
-        }
         let split = events.partition_point(|e| e.seq <= view.refresh_seq);
         if split as i64 != window {
             return Err(Error::Corrupt(format!(
                 "session {session_id}: the view starts its window at seq {} but the log has {split} of the {window} events up to its refresh point",
                 view.window_start
             )));
+        }
+        if events.len() as i64 >= limit {
+            // More than a page after the view: the window is short but
+            // what follows it is not (an agent's loop of tool calls with no
+            // prompt between). Without rows, the rest is read page by
+            // page; with them, the transactional path.
+            if needs == Needs::Rows {
+                return Ok(None);
+            }
+            let mut events = events;
+            let tail = events.split_off(split);
+            let state = self.rowless_from(&view, tail, i64::MAX).await?;
+            return Ok(Some(Latest::Rowless(state)));
         }
         let mut state = SessionState::from_view(&view, &events[..split]);
         for e in &events[split..] {
