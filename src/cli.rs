@@ -45,9 +45,9 @@ pub struct Cli {
           value_parser = parse_max_event_bytes)]
     pub max_event_bytes: usize,
 
-    /// Seconds one read of a PostgreSQL store (one round trip) may take
-    /// before the command exits 4: a server that stops answering is said,
-    /// not waited on without end. Long reads (verify, export) make many
+    /// Seconds one round trip to a PostgreSQL store may take before the
+    /// command exits 4: a server that stops answering is said, not waited
+    /// on without end. Long commands (verify, export, rebuild) make many
     /// round trips, each bounded.
     #[arg(long, default_value = "30", global = true, value_parser = parse_seconds)]
     pub read_timeout: std::time::Duration,
@@ -593,7 +593,14 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
     // lock (10 s) or a stalled database: the command's answer is given,
     // and what was not committed rolls back without us, so the wait is
     // bounded (exit closes the files).
-    let bound = write_timeout.unwrap_or(cli.read_timeout);
+    // After the storage was said unavailable, a connection may still be
+    // inside a round trip the server will not answer: the answer is given,
+    // so the close waits a moment, not a timeout again.
+    let unavailable = std::time::Duration::from_secs(1);
+    let bound = match &result {
+        Err(e) if e.exit_code() == 4 => unavailable,
+        _ => write_timeout.map_or(cli.read_timeout, |w| w.min(cli.read_timeout)),
+    };
     if tokio::time::timeout(bound, store.close()).await.is_err() {
         tracing::debug!("the store did not close within its timeout; exiting without waiting");
     }

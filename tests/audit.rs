@@ -585,6 +585,79 @@ fn unknown_names_are_listed_once_and_a_missing_call_row_is_said_as_missing() {
             url,
             &["audit", "anomalies", "unknown-evidence-name", "--json"],
         ));
+        // A page exactly full of the only anomaly ends the pages.
+        let one = json_of(&run(
+            url,
+            &[
+                "audit",
+                "anomalies",
+                "unknown-evidence-name",
+                "--limit",
+                "1",
+                "--json",
+            ],
+        ));
+        assert_eq!(
+            one["anomalies"].as_array().unwrap().len(),
+            1,
+            "{backend}: {one}"
+        );
+        assert_eq!(one["next"], Value::Null, "{backend}: {one}");
+        // With more, every page size finds each once, and the last page
+        // says it is the last.
+        let s2 = "33333333-3333-4333-8333-333333333333";
+        let mut more = vec![format!(
+            r#"{{"session_id":"{s2}","type":"session_started","mode":"agent"}}"#
+        )];
+        for i in 0..4 {
+            more.push(format!(r#"{{"session_id":"{s2}","type":"tool_call","call_id":"k{i}","tool_name":"ToolSearch","input":null}}"#));
+            more.push(format!(r#"{{"session_id":"{s2}","type":"tool_result","call_id":"k{i}","tool_name":"ToolSearch","status":"success","added_tool_names":["g{i}"]}}"#));
+        }
+        let file2 = dir.path().join("more.jsonl");
+        std::fs::write(&file2, more.join("\n") + "\n").unwrap();
+        assert!(run(url, &["import", file2.to_str().unwrap()])
+            .status
+            .success());
+        for limit in 1..=6 {
+            let (mut seen, mut after, mut pages) = (Vec::new(), None::<String>, 0);
+            loop {
+                let limit = limit.to_string();
+                let mut args = vec![
+                    "audit",
+                    "anomalies",
+                    "unknown-evidence-name",
+                    "--limit",
+                    &limit,
+                    "--json",
+                ];
+                let cursor;
+                if let Some(a) = &after {
+                    cursor = a.clone();
+                    args.extend(["--after", &cursor]);
+                }
+                let page = json_of(&run(url, &args));
+                pages += 1;
+                for a in page["anomalies"].as_array().unwrap() {
+                    seen.push(a["position"].as_i64().unwrap());
+                }
+                match page["next"].as_str() {
+                    Some(n) => after = Some(n.to_owned()),
+                    None => break,
+                }
+            }
+            let mut unique = seen.clone();
+            unique.dedup();
+            assert_eq!(
+                (seen.len(), unique.len()),
+                (5, 5),
+                "{backend} limit {limit}: {seen:?}"
+            );
+            assert_eq!(
+                pages,
+                5_usize.div_ceil(limit),
+                "{backend} limit {limit}: pages"
+            );
+        }
         let found = &page["anomalies"][0];
         assert_eq!(found["tools"], json!(["ghost"]), "{backend}: {page}");
         assert!(

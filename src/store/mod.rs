@@ -132,12 +132,14 @@ pub struct StoreOptions {
     /// `import` and `append` set `--write-timeout`, so that a database that
     /// stops answering is said within seconds (SEMANTICS §9).
     pub write_deadline: Option<std::time::Duration>,
-    /// The longest one round trip of a read to PostgreSQL may take before
-    /// the read answers [`Error::Unavailable`]. Per round trip, not per
-    /// read: `verify` or a fold at `--at-seq` of a long session make many,
-    /// each bounded. `None` (the default) waits as long as the server
-    /// takes; the CLI sets `--read-timeout`. SQLite reads are local and,
-    /// in WAL mode, wait for no lock, so they are not bounded.
+    /// The longest one round trip to PostgreSQL may take before what made
+    /// it answers [`Error::Unavailable`]: each statement of a read, of a
+    /// write transaction (`rebuild`, the backfills at open, the locked
+    /// path of an append) and the check of the schema at open. Per round
+    /// trip, not per call: `verify` or a fold at `--at-seq` of a long
+    /// session make many, each bounded. `None` (the default) waits as long
+    /// as the server takes; the CLI sets `--read-timeout`. SQLite is local
+    /// and its reads, in WAL mode, wait for no lock, so it is not bounded.
     pub read_deadline: Option<std::time::Duration>,
     /// Whether opening a SQLite path that does not exist creates the store
     /// there (the default). The CLI's commands that only read set it to

@@ -114,7 +114,7 @@ async fn trip<T>(
     match tokio::time::timeout(limit, round_trip).await {
         Ok(answer) => answer.map_err(Error::from_sqlx),
         Err(_) => Err(Error::Unavailable(format!(
-            "PostgreSQL did not answer a read within {} s: the server may be stopped or cut off",
+            "PostgreSQL did not answer within {} s: the server may be stopped or cut off",
             limit.as_secs_f64()
         ))),
     }
@@ -235,6 +235,31 @@ impl PgBackend {
     }
 
     pub(crate) async fn migrate(&self) -> Result<()> {
+        // Every open migrates; almost always there is nothing to apply.
+        // That is checked first in one bounded read, so that a server that
+        // stops answering during an open is said within the read deadline
+        // (sqlx's migrator takes an advisory lock and reads its table with
+        // no bound). Only a store with migrations to apply, or with ones
+        // this build does not know (which the migrator refuses, naming
+        // them), goes through the migrator, whose statements may run long.
+        let applied: Option<Vec<i64>> = match trip(
+            self.read_deadline,
+            sqlx::query_scalar(
+                "SELECT version FROM _sqlx_migrations WHERE success ORDER BY version",
+            )
+            .fetch_all(&self.pool),
+        )
+        .await
+        {
+            Ok(v) => Some(v),
+            Err(e @ Error::Unavailable(_)) => return Err(e),
+            // No table yet (a new database): the migrator makes it.
+            Err(_) => None,
+        };
+        let known: Vec<i64> = MIGRATOR.iter().map(|m| m.version).collect();
+        if applied.as_ref() == Some(&known) {
+            return Ok(());
+        }
         MIGRATOR
             .run(&self.pool)
             .await
@@ -253,12 +278,18 @@ impl PgBackend {
         // until the server's idle-in-transaction timeout (a review's
         // finding, tests/faults.rs). Begun apart, the transaction is
         // sqlx's, and a failed lock rolls back with it.
-        let mut tx = self.pool.begin().await.map_err(Error::from_sqlx)?;
-        sqlx::query("SELECT 1 FROM event_position WHERE id = 1 FOR UPDATE")
-            .execute(&mut *tx)
-            .await
-            .map_err(Error::from_sqlx)?;
-        Ok(PgTx::new(tx))
+        let mut tx = trip(self.read_deadline, self.pool.begin()).await?;
+        trip(
+            self.read_deadline,
+            sqlx::query("SELECT 1 FROM event_position WHERE id = 1 FOR UPDATE").execute(&mut *tx),
+        )
+        .await?;
+        // Each round trip of a write is bounded as a read's is: `rebuild`
+        // and the backfills at open have no other bound, and an append's
+        // own deadline (when set) is no shorter.
+        let mut tx = PgTx::new(tx);
+        tx.deadline = self.read_deadline;
+        Ok(tx)
     }
 
     /// A transaction that takes no lock and reads nothing: the group
@@ -513,9 +544,10 @@ pub(crate) struct PgTx {
     /// transaction writes the session, and those found.
     calls_asked: HashSet<(Uuid, String)>,
     calls_found: HashMap<(Uuid, String), CallRow>,
-    /// The longest one round trip may take: the store's read deadline in
-    /// a read snapshot, `None` in a write (an append has its own
-    /// deadline, [`StoreOptions::write_deadline`]).
+    /// The longest one round trip may take: the store's read deadline
+    /// ([`StoreOptions::read_deadline`]), in a read snapshot and in a
+    /// write alike; `None` for the optimistic append, whose one call an
+    /// append's own deadline bounds.
     deadline: Option<Duration>,
 }
 

@@ -415,7 +415,7 @@ where
     b.push(" AND e.payload LIKE '%\"added_tool_names\"%'");
     scope.push(&mut b, "e");
     b.push(" ORDER BY e.position LIMIT ");
-    b.push_bind(NAME_SCAN);
+    b.push_bind(NAME_SCAN + 1);
     b
 }
 
@@ -646,13 +646,14 @@ impl Store {
         let mut after = position_cursor(q.after.as_deref())?;
         let mut catalogs: HashMap<Uuid, HashSet<String>> = HashMap::new();
         let mut anomalies = Vec::new();
-        let results = self
-            .fetch_events(self.sql(
+        let (results, more) = page_of(
+            self.fetch_events(self.sql(
                 || named_results_sql("", &q.scope, after),
                 || named_results_sql("", &q.scope, after),
             ))
-            .await?;
-        let mut done = (results.len() as i64) < NAME_SCAN;
+            .await?,
+            NAME_SCAN,
+        );
         // One lookup of every catalog of the page's sessions.
         let mut sessions: Vec<Uuid> = results.iter().map(|e| e.session_id).collect();
         sessions.sort();
@@ -671,7 +672,13 @@ impl Store {
             }
         }
         let none = HashSet::new();
+        // Where the page ends: the last result read, or the result of the
+        // last anomaly it can hold when more are found.
+        let mut full_at = None;
         for e in &results {
+            if full_at.is_some() {
+                break;
+            }
             after = e.position;
             let EventBody::ToolResult {
                 call_id,
@@ -709,10 +716,20 @@ impl Store {
                 call_id: Some(call_id.clone()),
             });
             if anomalies.len() as i64 == q.scope.limit {
-                done = false;
-                break;
+                full_at = Some(e.position);
             }
         }
+        // A page is done when nothing is left to scan after it: past the
+        // anomaly that filled it, the rest of this scan must hold none.
+        let done =
+            match full_at {
+                None => !more,
+                Some(at) => !more && !results.iter().filter(|e| e.position > at).any(|e| {
+                    let known = catalogs.get(&e.session_id).unwrap_or(&none);
+                    matches!(&e.body, EventBody::ToolResult { added_tool_names: Some(names), .. }
+                            if names.iter().any(|n| !known.contains(n)))
+                }),
+            };
         Ok(AnomalyPage {
             anomalies,
             next: (!done).then(|| after.to_string()),
