@@ -853,8 +853,5 @@ async fn postgres_cli_export_cut_off_mid_stream_exits_4_within_its_read_timeout(
     );
     // 2 s for the read, and the close after it does not wait for the
     // connection the server left unanswered.
-    assert!(
-        took < Duration::from_secs(6),
-        "said after {took:?}: {said}"
-    );
+    assert!(took < Duration::from_secs(6), "said after {took:?}: {said}");
 }
