@@ -855,3 +855,77 @@ async fn postgres_cli_export_cut_off_mid_stream_exits_4_within_its_read_timeout(
     // connection the server left unanswered.
     assert!(took < Duration::from_secs(6), "said after {took:?}: {said}");
 }
+
+/// Waiting behind another writer for the position counter is healthy: the
+/// server bounds it (`lock_timeout`, 10 s), and `read_deadline` bounds a
+/// round trip on top of that, so an append behind a 4 s lock succeeds
+/// with a 2 s deadline.
+#[test]
+fn postgres_an_append_behind_a_held_lock_is_not_cut_off_by_the_read_deadline() {
+    use sqlx::Connection;
+    let Some(db) = common::postgres_db() else {
+        return;
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let options = StoreOptions {
+            read_deadline: Some(Duration::from_secs(2)),
+            ..Default::default()
+        };
+        let store = Store::open_with(&db.url, options).await.unwrap();
+        let session = Uuid::new_v4();
+        store.append(session, 0, vec![started()]).await.unwrap();
+        let mut holder = sqlx::PgConnection::connect(&db.url).await.unwrap();
+        let hold = sqlx::raw_sql(
+            "BEGIN; SELECT 1 FROM event_position WHERE id = 1 FOR UPDATE; \
+             SELECT pg_sleep(4); COMMIT;",
+        )
+        .execute(&mut holder);
+        let behind = async {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            // Cold, the append takes the locked path (`begin_write`), not
+            // the optimistic call.
+            store.clear_cache();
+            let started_at = Instant::now();
+            store
+                .append(session, 1, vec![prompt("behind")])
+                .await
+                .unwrap();
+            started_at.elapsed()
+        };
+        let (held, waited) = tokio::join!(hold, behind);
+        held.unwrap();
+        assert!(
+            waited > Duration::from_secs(2),
+            "the lock was not held: {waited:?}"
+        );
+        store.close().await;
+    });
+}
+
+/// A migration changed since it was applied is refused at open, on
+/// PostgreSQL as on SQLite: the open's quick check compares checksums too.
+#[test]
+fn postgres_a_modified_migration_is_refused_at_open() {
+    use sqlx::Connection;
+    let Some(db) = common::postgres_db() else {
+        return;
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        Store::open(&db.url).await.unwrap().close().await;
+        let mut c = sqlx::PgConnection::connect(&db.url).await.unwrap();
+        sqlx::raw_sql(
+            "UPDATE _sqlx_migrations SET checksum = '\\x00' \
+             WHERE version = (SELECT MAX(version) FROM _sqlx_migrations)",
+        )
+        .execute(&mut c)
+        .await
+        .unwrap();
+        let err = match Store::open(&db.url).await {
+            Ok(_) => panic!("a modified migration was accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(err.contains("modified"), "{err}");
+    });
+}

@@ -58,6 +58,10 @@ type CallJson = (Uuid, String, String, i64, Option<i64>);
 
 const COLUMNS: &str = "position, session_id, seq, event_id, payload, recorded_at";
 
+/// The server's `lock_timeout` below: how long a write waits for the
+/// position counter behind other writers before the server refuses it.
+const LOCK_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Server-side settings of every connection: limits (see the module docs),
 /// the isolation the write path needs and the plans the reads need.
 const SESSION_SETTINGS: [(&str, &str); 5] = [
@@ -242,10 +246,12 @@ impl PgBackend {
         // no bound). Only a store with migrations to apply, or with ones
         // this build does not know (which the migrator refuses, naming
         // them), goes through the migrator, whose statements may run long.
-        let applied: Option<Vec<i64>> = match trip(
+        // Versions and checksums, as the migrator compares them: a
+        // migration changed since it was applied is its to refuse.
+        let applied: Option<Vec<(i64, Vec<u8>)>> = match trip(
             self.read_deadline,
-            sqlx::query_scalar(
-                "SELECT version FROM _sqlx_migrations WHERE success ORDER BY version",
+            sqlx::query_as(
+                "SELECT version, checksum FROM _sqlx_migrations WHERE success ORDER BY version",
             )
             .fetch_all(&self.pool),
         )
@@ -256,7 +262,10 @@ impl PgBackend {
             // No table yet (a new database): the migrator makes it.
             Err(_) => None,
         };
-        let known: Vec<i64> = MIGRATOR.iter().map(|m| m.version).collect();
+        let known: Vec<(i64, Vec<u8>)> = MIGRATOR
+            .iter()
+            .map(|m| (m.version, m.checksum.to_vec()))
+            .collect();
         if applied.as_ref() == Some(&known) {
             return Ok(());
         }
@@ -279,8 +288,11 @@ impl PgBackend {
         // finding, tests/faults.rs). Begun apart, the transaction is
         // sqlx's, and a failed lock rolls back with it.
         let mut tx = trip(self.read_deadline, self.pool.begin()).await?;
+        // Waiting for the lock behind another writer is healthy, and the
+        // server bounds it (`lock_timeout`); the client's bound comes on
+        // top of that, for a server that stops answering.
         trip(
-            self.read_deadline,
+            self.read_deadline.map(|d| d + LOCK_TIMEOUT),
             sqlx::query("SELECT 1 FROM event_position WHERE id = 1 FOR UPDATE").execute(&mut *tx),
         )
         .await?;
