@@ -7,6 +7,7 @@ mod common;
 
 use common::gen::{valid_log, Rng};
 use proptest::prelude::*;
+use session_store::store::ROWLESS_WINDOW;
 use session_store::{NewEvent, SessionState, Store, StoreOptions};
 use uuid::Uuid;
 
@@ -151,6 +152,27 @@ proptest! {
     }
 }
 
+/// A fresh store's cold `activations` and `recover` of `session` equal the
+/// fold of its log; answers the length of the fold's window.
+async fn answers_from_the_view_match_the_fold(url: &str, session: Uuid, what: &str) -> i64 {
+    let store = Store::open(url).await.unwrap();
+    let all = store.history(session, 0, 100_000).await.unwrap();
+    let expected = SessionState::fold(session, &all);
+    assert_eq!(
+        store.activations(session, None).await.unwrap(),
+        expected.activations(),
+        "{what}"
+    );
+    store.clear_cache();
+    let r = store.recover(session).await.unwrap();
+    assert_eq!(r.latest_seq, expected.seq, "{what}");
+    assert_eq!(r.tools, expected.activation_set(), "{what}");
+    assert_eq!(r.mode, expected.mode, "{what}");
+    assert_eq!(r.context_start_seq, expected.window_start, "{what}");
+    store.close().await;
+    expected.seq - expected.window_start
+}
+
 /// A session that is never compacted has its whole log as its window. The
 /// activation set and recovery of one longer than the store reads as a
 /// window (`ROWLESS_WINDOW`) come from the view and the events after it,
@@ -195,29 +217,10 @@ async fn long_uncompacted_session(url: &str) {
         store.append(session, seq, chunk.to_vec()).await.unwrap();
         seq += chunk.len() as i64;
     }
-    let check = |what: &'static str| {
-        let url = url.to_owned();
-        async move {
-            let store = Store::open(&url).await.unwrap();
-            let all = store.history(session, 0, 100_000).await.unwrap();
-            let expected = SessionState::fold(session, &all);
-            assert!(expected.seq - expected.window_start > session_store::store::ROWLESS_WINDOW);
-            store.clear_cache();
-            assert_eq!(
-                store.activations(session, None).await.unwrap(),
-                expected.activations(),
-                "{what}"
-            );
-            store.clear_cache();
-            let r = store.recover(session).await.unwrap();
-            assert_eq!(r.latest_seq, expected.seq, "{what}");
-            assert_eq!(r.tools, expected.activation_set(), "{what}");
-            assert_eq!(r.mode, expected.mode, "{what}");
-            assert_eq!(r.context_start_seq, expected.window_start, "{what}");
-            store.close().await;
-        }
-    };
-    check("at a refresh point").await;
+    assert!(
+        answers_from_the_view_match_the_fold(url, session, "at a refresh point").await
+            > ROWLESS_WINDOW
+    );
     // After the view: a mode switch and back, a new catalog, new evidence.
     let tail = vec![
         NewEvent::new(EventBody::ModeSwitched {
@@ -242,7 +245,7 @@ async fn long_uncompacted_session(url: &str) {
     ];
     store.append(session, seq, tail.clone()).await.unwrap();
     seq += tail.len() as i64;
-    check("after a tail").await;
+    answers_from_the_view_match_the_fold(url, session, "after a tail").await;
     // A compaction after the view keeps the last rows only.
     let all = store.history(session, seq - 2, 10).await.unwrap();
     store
@@ -335,26 +338,7 @@ async fn long_tail_after_the_view(url: &str) {
         store.append(session, seq, chunk.to_vec()).await.unwrap();
         seq += chunk.len() as i64;
     }
-    let check = |what: &'static str| {
-        let url = url.to_owned();
-        async move {
-            let store = Store::open(&url).await.unwrap();
-            let all = store.history(session, 0, 100_000).await.unwrap();
-            let expected = SessionState::fold(session, &all);
-            assert_eq!(
-                store.activations(session, None).await.unwrap(),
-                expected.activations(),
-                "{what}"
-            );
-            store.clear_cache();
-            let r = store.recover(session).await.unwrap();
-            assert_eq!(r.latest_seq, expected.seq, "{what}");
-            assert_eq!(r.tools, expected.activation_set(), "{what}");
-            assert_eq!(r.context_start_seq, expected.window_start, "{what}");
-            store.close().await;
-        }
-    };
-    check("a long tail").await;
+    answers_from_the_view_match_the_fold(url, session, "a long tail").await;
     let kept = store.history(session, seq - 10, 1).await.unwrap()[0].event_id;
     store
         .append(
@@ -368,7 +352,7 @@ async fn long_tail_after_the_view(url: &str) {
         )
         .await
         .unwrap();
-    check("a long tail and a compaction in it").await;
+    answers_from_the_view_match_the_fold(url, session, "a long tail and a compaction in it").await;
     store.close().await;
 }
 
