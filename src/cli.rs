@@ -2217,7 +2217,7 @@ fn print_context_row(row: &ContextRow, out: &mut dyn Write) -> std::io::Result<(
 async fn print_context_paged(
     store: &Store,
     head: &Context,
-    mut pages: crate::store::EventPages,
+    mut pages: crate::store::ContextPages,
     json: bool,
     out: &mut dyn Write,
 ) -> Result<(), CliError> {
@@ -2235,8 +2235,7 @@ async fn print_context_paged(
     }
     let mut first = true;
     while let Some(page) = pages.next_page(store).await? {
-        for e in page.into_iter().filter(|e| e.body.is_row()) {
-            let row = ContextRow::from(e);
+        for row in page {
             if json {
                 let sep = if first { "" } else { "," };
                 write!(out, "{sep}{}", as_json(&row)?).map_err(io)?;

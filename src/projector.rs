@@ -414,7 +414,6 @@ impl SessionState {
         self.seq = event.seq;
         let start = kept_seq.unwrap_or(event.seq + 1);
         self.window_start = start;
-        self.rows.retain(|r| r.seq >= start);
         self.evidence.retain(|_, seq| *seq >= start);
         self.compaction = Some((summary.clone(), event.seq));
     }

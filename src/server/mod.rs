@@ -42,7 +42,7 @@ use uuid::Uuid;
 
 use crate::error::{Rule, ValidationError};
 use crate::event::{parse_event_object, LineKind, NewEvent, StoredEvent};
-use crate::projector::{Activations, Context, ContextRow, SessionState};
+use crate::projector::{Activations, Context, SessionState};
 use crate::store::{Appended, Recovery, Store};
 use crate::Error;
 
@@ -1058,12 +1058,12 @@ async fn context(
                     return;
                 }
             };
-            for e in page.into_iter().filter(|e| e.body.is_row()) {
+            for row in page {
                 if !first {
                     buf.push(b',');
                 }
                 first = false;
-                if let Err(e) = serde_json::to_writer(&mut buf, &ContextRow::from(e)) {
+                if let Err(e) = serde_json::to_writer(&mut buf, &row) {
                     let _ = tx
                         .send(Err(crate::error::Error::Database(format!(
                             "a context row could not be written as JSON: {e}"

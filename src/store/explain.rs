@@ -10,7 +10,7 @@ use super::{Store, FOLD_PAGE, FOLD_PAGE_BYTES};
 use crate::audit::{At, Auditor, Explanation, Refresh, RefreshTracker};
 use crate::error::{Error, Result};
 use crate::event::{EventBody, StoredEvent};
-use crate::projector::Context;
+use crate::projector::{Context, ContextRow};
 
 impl Store {
     /// Whether `tool` is in the activation set of `session_id` at `at`, and
@@ -81,22 +81,18 @@ impl Store {
     /// The latest effective context (§5). A context whose window is
     /// short comes whole, with `None`. A long one (a session never
     /// compacted has its whole log as its window) comes without its rows,
-    /// and with the pages of events that hold them: the events after
-    /// `window_start - 1` up to the answer's seq, of which the transcript
-    /// rows are the context's rows, in order. A caller that writes the
-    /// answer as it reads it (the CLI) holds a page, not the session; the
-    /// rows are the log's, which never change, so later pages agree with
-    /// the answer's seq.
-    pub async fn context_paged(&self, session_id: Uuid) -> Result<(Context, Option<EventPages>)> {
+    /// and with the pages that hold them, in order. A caller that writes
+    /// the answer as it reads it (the CLI, the HTTP server) holds a page,
+    /// not the session; the rows are the log's, which never change, so
+    /// later pages agree with the answer's seq.
+    pub async fn context_paged(&self, session_id: Uuid) -> Result<(Context, Option<ContextPages>)> {
         let state = self.latest_without_rows(session_id).await?;
+        // A rowless state holds no rows: its context is the head alone.
+        let head = state.context();
         if !state.is_rowless() {
-            return Ok((state.context(), None));
+            return Ok((head, None));
         }
-        // A rowless state's rows are only those after its view, shed of
-        // their texts: none of them is the answer's.
-        let mut head = state.context();
-        head.rows.clear();
-        let pages = EventPages {
+        let events = EventPages {
             session_id,
             target: state.seq,
             prompt: None,
@@ -104,7 +100,7 @@ impl Store {
             after: state.window_start - 1,
             done: false,
         };
-        Ok((head, Some(pages)))
+        Ok((head, Some(ContextPages(events))))
     }
 
     /// Feeds the session's events from seq 1 up to `at` to `f`, a page at
@@ -191,5 +187,24 @@ impl EventPages {
             }
         }
         Ok(Some(page))
+    }
+}
+
+/// The rows of a long context ([`Store::context_paged`]), a page at a
+/// time: the transcript rows among the events from the window's start to
+/// the answer's seq.
+#[derive(Debug)]
+pub struct ContextPages(EventPages);
+
+impl ContextPages {
+    /// The next page of rows (possibly empty, when a page of the log holds
+    /// none); `None` once every row was given.
+    pub async fn next_page(&mut self, store: &Store) -> Result<Option<Vec<ContextRow>>> {
+        Ok(self.0.next_page(store).await?.map(|page| {
+            page.into_iter()
+                .filter(|e| e.body.is_row())
+                .map(ContextRow::from)
+                .collect()
+        }))
     }
 }

@@ -36,7 +36,7 @@ pub(crate) mod sqlite;
 mod subscribe;
 
 pub use chain::{ChainHead, IntegrityReport};
-pub use explain::EventPages;
+pub use explain::{ContextPages, EventPages};
 pub use subscribe::{Subscription, Watch};
 
 use std::collections::{HashMap, HashSet};
@@ -1215,14 +1215,9 @@ impl Store {
         seq: i64,
     ) -> Result<Option<SessionState>> {
         let max_window = self.options.rowless_window;
-        let found = match &self.backend {
-            Backend::Sqlite(b) => b.view_and_window(session_id, FOLD_PAGE, max_window).await?,
-            Backend::Postgres(b) => b.view_and_window(session_id, FOLD_PAGE, max_window).await?,
-        };
-        let Some((row, events)) = found else {
+        let Some((view, events)) = self.view_and_window(session_id, max_window).await? else {
             return Ok(None);
         };
-        let view = row.to_view()?;
         // Short up to `seq` (its window and the events after the view),
         // or a view past it: the path that reads the window.
         if seq - view.window_start < max_window || view.refresh_seq > seq {
@@ -1236,6 +1231,25 @@ impl Store {
             .collect();
         let state = self.rowless_from(&view, tail, seq).await?;
         Ok((state.seq == seq).then_some(state))
+    }
+
+    /// The session's view and, in one statement (each is a hop to the
+    /// driver's worker thread or a round trip, and a pooled connection's
+    /// release costs another), the events from its window's start on (the
+    /// window and a page more), or only a page of those after the view when
+    /// the window is longer than `max_window`. `None` without a view.
+    async fn view_and_window(
+        &self,
+        session_id: Uuid,
+        max_window: i64,
+    ) -> Result<Option<(View, Vec<StoredEvent>)>> {
+        let found = match &self.backend {
+            Backend::Sqlite(b) => b.view_and_window(session_id, FOLD_PAGE, max_window).await?,
+            Backend::Postgres(b) => b.view_and_window(session_id, FOLD_PAGE, max_window).await?,
+        };
+        found
+            .map(|(row, events)| Ok((row.to_view()?, events)))
+            .transpose()
     }
 
     /// Applies an event to a state that may lack its window's rows
@@ -1322,21 +1336,8 @@ impl Store {
             Needs::Rows => i64::MAX,
             Needs::Evidence => self.options.rowless_window,
         };
-        let (view, events) = match &self.backend {
-            // One statement for both (each is a hop to the driver's worker
-            // thread or a round trip, and a pooled connection's release
-            // costs another).
-            Backend::Sqlite(b) => match b.view_and_window(session_id, FOLD_PAGE, max_window).await?
-            {
-                Some((row, events)) => (row.to_view()?, events),
-                None => return Ok(None),
-            },
-            Backend::Postgres(b) => {
-                match b.view_and_window(session_id, FOLD_PAGE, max_window).await? {
-                    Some((row, events)) => (row.to_view()?, events),
-                    None => return Ok(None),
-                }
-            }
+        let Some((view, events)) = self.view_and_window(session_id, max_window).await? else {
+            return Ok(None);
         };
         let window = view.refresh_seq - view.window_start + 1;
         if window < 0 {

@@ -112,16 +112,29 @@ async fn trip<T>(
     deadline: Option<Duration>,
     round_trip: impl std::future::Future<Output = std::result::Result<T, sqlx::Error>>,
 ) -> Result<T> {
+    within(deadline, async {
+        round_trip.await.map_err(Error::from_sqlx)
+    })
+    .await
+}
+
+/// [`trip`] of a round trip that already answers the store's errors (a
+/// page decoded as it streams in).
+async fn within<T>(
+    deadline: Option<Duration>,
+    round_trip: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
     let Some(limit) = deadline else {
-        return round_trip.await.map_err(Error::from_sqlx);
+        return round_trip.await;
     };
-    match tokio::time::timeout(limit, round_trip).await {
-        Ok(answer) => answer.map_err(Error::from_sqlx),
-        Err(_) => Err(Error::Unavailable(format!(
-            "PostgreSQL did not answer within {} s: the server may be stopped or cut off",
-            limit.as_secs_f64()
-        ))),
-    }
+    tokio::time::timeout(limit, round_trip)
+        .await
+        .unwrap_or_else(|_| {
+            Err(Error::Unavailable(format!(
+                "PostgreSQL did not answer within {} s: the server may be stopped or cut off",
+                limit.as_secs_f64()
+            )))
+        })
 }
 
 fn decode(row: Row) -> Result<StoredEvent> {
@@ -359,11 +372,11 @@ impl PgBackend {
             .bind(after)
             .bind(limit)
             .fetch(&self.pool);
-        let page = super::take_within(&mut rows, max_bytes, |r: &Row| r.4.len(), decode);
-        match self.read_deadline {
-            None => page.await,
-            Some(limit) => trip(Some(limit), async { Ok(page.await) }).await?,
-        }
+        within(
+            self.read_deadline,
+            super::take_within(&mut rows, max_bytes, |r: &Row| r.4.len(), decode),
+        )
+        .await
     }
 
     /// The session's view and the events from its window start on (at
