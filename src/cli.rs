@@ -889,25 +889,13 @@ async fn run_on(
             json,
         } => {
             let session = parse_session(&session)?;
-            match at_seq {
-                // The latest context of a long window is written as its
-                // rows are read, a page at a time.
-                None => {
-                    let (ctx, pages) = store.context_paged(session).await?;
-                    match pages {
-                        Some(pages) => print_context_paged(store, &ctx, pages, json, out).await?,
-                        None if json => print_json(out, &ctx)?,
-                        None => print_context(&ctx, out).map_err(io)?,
-                    }
-                }
-                Some(_) => {
-                    let ctx = store.context(session, at_seq).await?;
-                    if json {
-                        print_json(out, &ctx)?;
-                    } else {
-                        print_context(&ctx, out).map_err(io)?;
-                    }
-                }
+            // A long window is written as its rows are read, a page at a
+            // time.
+            let (ctx, pages) = store.context_paged(session, at_seq).await?;
+            match pages {
+                Some(pages) => print_context_paged(store, &ctx, pages, json, out).await?,
+                None if json => print_json(out, &ctx)?,
+                None => print_context(&ctx, out).map_err(io)?,
             }
         }
         Command::Activations {

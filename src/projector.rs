@@ -382,6 +382,16 @@ impl SessionState {
         state
     }
 
+    /// The rowless state of a session with no events: a fold from seq 1
+    /// that answers activation sets, and views, without holding the
+    /// window's rows (a session never compacted has its whole log as its
+    /// window). Events go in through [`SessionState::apply_rowless`].
+    pub(crate) fn empty_without_rows(session_id: Uuid) -> SessionState {
+        let mut state = SessionState::empty(session_id);
+        state.rowless = true;
+        state
+    }
+
     /// Whether this state lacks the window's rows (and so needs
     /// [`SessionState::apply_rowless`] for a compaction).
     pub(crate) fn is_rowless(&self) -> bool {

@@ -919,6 +919,16 @@ both_backends!(
             got[7].2["tools"],
             json!([{"name": "image_view", "evidence_seq": 8}])
         );
+        // A client resuming from before the view (now at 12) starts from
+        // a fold of the log up to its cursor that keeps no rows, and
+        // follows both compactions as the live stream did.
+        let mut early = open_stream(&app, &format!("/v1/sessions/{id}/stream"), Some("4")).await;
+        let replayed = read_sse(&mut early, 11).await;
+        let ids: Vec<&str> = replayed[..3].iter().map(|(_, i, _)| i.as_str()).collect();
+        assert_eq!(ids, ["5", "6", "6"], "{replayed:?}");
+        assert_eq!(replayed[2].0, "activations");
+        assert_eq!(replayed[2].2, hello[0].2);
+        assert_eq!(replayed[3..], got[..], "the stream resumed before the view");
     }
 );
 

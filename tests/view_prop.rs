@@ -59,15 +59,7 @@ async fn check_log(url: &str, seed: u64, len: usize) -> Result<(), TestCaseError
         reader.close().await;
         // One that reads no window (as for a never-compacted session's
         // long one): the view's evidence and the events after it.
-        let rowless = Store::open_with(
-            url,
-            StoreOptions {
-                rowless_window: 0,
-                ..StoreOptions::default()
-            },
-        )
-        .await
-        .unwrap();
+        let rowless = rowless_store(url).await;
         prop_assert_eq!(
             rowless.activations(session, None).await.unwrap(),
             expected.activations()
@@ -75,11 +67,57 @@ async fn check_log(url: &str, seed: u64, len: usize) -> Result<(), TestCaseError
         prop_assert_eq!(rowless.recover(session).await.unwrap(), r);
         rowless.close().await;
     }
+    // As of every seq, from the log alone: the activation set, and the
+    // context whole (a short window) or in pages (any window with
+    // `rowless_window` 0), equal the fold of that prefix.
+    let paged = rowless_store(url).await;
+    for n in 1..=events.len() {
+        let expected = SessionState::fold(session, &events[..n]);
+        let at = Some(n as i64);
+        prop_assert_eq!(
+            writer.activations(session, at).await.unwrap(),
+            expected.activations(),
+            "activations at seq {}",
+            n
+        );
+        for store in [&writer, &paged] {
+            prop_assert_eq!(
+                context_of_pages(store, session, at).await,
+                expected.context(),
+                "context at seq {}",
+                n
+            );
+        }
+    }
+    paged.close().await;
     // Rebuilding changes nothing that verify can see.
     writer.rebuild(session).await.unwrap();
     prop_assert_eq!(writer.verify(session).await.unwrap(), None);
     writer.close().await;
     Ok(())
+}
+
+/// A store that reads no window, answering from the view's evidence and
+/// the events after it (as for a never-compacted session's long window),
+/// and pages every context.
+async fn rowless_store(url: &str) -> Store {
+    let options = StoreOptions {
+        rowless_window: 0,
+        ..StoreOptions::default()
+    };
+    Store::open_with(url, options).await.unwrap()
+}
+
+/// [`Store::context_paged`]'s answer with its pages' rows put in.
+async fn context_of_pages(store: &Store, session: Uuid, at: Option<i64>) -> session_store::Context {
+    let (mut ctx, pages) = store.context_paged(session, at).await.unwrap();
+    if let Some(mut pages) = pages {
+        assert!(ctx.rows.is_empty(), "a paged context comes without rows");
+        while let Some(page) = pages.next_page(store).await.unwrap() {
+            ctx.rows.extend(page);
+        }
+    }
+    ctx
 }
 
 proptest! {

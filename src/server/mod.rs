@@ -1028,10 +1028,7 @@ async fn context(
     let (_, session_id) = server.session_for(&headers, Scope::Read, &id).await?;
     let q = query(q)?;
     let store = server.inner.store.clone();
-    if q.at_seq.is_some() {
-        return Ok(Json(store.context(session_id, q.at_seq).await?).into_response());
-    }
-    let (head, pages) = store.context_paged(session_id).await?;
+    let (head, pages) = store.context_paged(session_id, q.at_seq).await?;
     let Some(mut pages) = pages else {
         return Ok(Json(head).into_response());
     };
@@ -1212,12 +1209,12 @@ async fn stream(
         // the set at a refresh point N is sent again (twice at most, the
         // same set both times).
         Some(after) => {
-            // A long window is not read when the view is at or before the
-            // cursor (a client reconnecting after the latest refresh point).
-            let state = match store.rowless_resuming(session_id, after).await? {
-                Some(state) => state,
-                None => store.state_resuming(session_id, after).await?,
-            };
+            // The window is never read: the state starts from the view
+            // when it is at or before the cursor (a client reconnecting
+            // after the latest refresh point), else from seq 1, and holds
+            // no rows either way (a session never compacted has its whole
+            // log as its window).
+            let state = store.rowless_at(session_id, after, true).await?;
             let refresh = state.refresh_seq == after;
             (state, refresh)
         }

@@ -78,18 +78,42 @@ impl Store {
         })
     }
 
-    /// The latest effective context (§5). A context whose window is
-    /// short comes whole, with `None`. A long one (a session never
-    /// compacted has its whole log as its window) comes without its rows,
-    /// and with the pages that hold them, in order. A caller that writes
-    /// the answer as it reads it (the CLI, the HTTP server) holds a page,
-    /// not the session; the rows are the log's, which never change, so
-    /// later pages agree with the answer's seq.
-    pub async fn context_paged(&self, session_id: Uuid) -> Result<(Context, Option<ContextPages>)> {
-        let state = self.latest_without_rows(session_id).await?;
+    /// The effective context (§5) as of `at_seq` or the latest event. A
+    /// context whose window is short comes whole, with `None`. A long one
+    /// (a session never compacted has its whole log as its window) comes
+    /// without its rows, and with the pages that hold them, in order. A
+    /// caller that writes the answer as it reads it (the CLI, the HTTP
+    /// server) holds a page, not the session; the rows are the log's,
+    /// which never change, so later pages agree with the answer's seq.
+    /// As [`Store::context`], an answer as of `at_seq` comes from the log
+    /// alone (a fold from seq 1 that keeps no rows, then the window's
+    /// rows read). Errors: [`Error::SessionNotFound`],
+    /// [`Error::SeqOutOfRange`].
+    pub async fn context_paged(
+        &self,
+        session_id: Uuid,
+        at_seq: Option<i64>,
+    ) -> Result<(Context, Option<ContextPages>)> {
+        let state = match at_seq {
+            None => self.latest_without_rows(session_id).await?,
+            Some(n) => self.rowless_at(session_id, n, false).await?,
+        };
         // A rowless state holds no rows: its context is the head alone.
-        let head = state.context();
+        let mut head = state.context();
         if !state.is_rowless() {
+            return Ok((head, None));
+        }
+        let window = state.seq - state.window_start + 1;
+        if window <= self.options.rowless_window {
+            // Short: its rows in one read, the answer whole.
+            let rows = self
+                .history_within(session_id, state.window_start - 1, window, usize::MAX)
+                .await?;
+            head.rows = rows
+                .into_iter()
+                .filter(|e| e.body.is_row())
+                .map(ContextRow::from)
+                .collect();
             return Ok((head, None));
         }
         let events = EventPages {

@@ -270,12 +270,17 @@ pub(crate) trait LogTx: Send {
         &mut self,
         ids: &[Uuid],
     ) -> impl Future<Output = Result<Vec<StoredEvent>>> + Send;
-    /// Events of a session with `after < seq <= upto`, in seq order.
+    /// Events of a session with `after < seq <= upto`, in seq order,
+    /// stopping after the one that brings the payloads read to `max_bytes`
+    /// (at least one event when there is one; `usize::MAX` for all): rows
+    /// are decoded as they stream in, so a page of large events never sits
+    /// in memory whole.
     fn range(
         &mut self,
         session_id: Uuid,
         after: i64,
         upto: i64,
+        max_bytes: usize,
     ) -> impl Future<Output = Result<Vec<StoredEvent>>> + Send;
     /// The stored events with any of `ids`, and the session's head seq and
     /// its hash: the reads that open every append. The default makes two
@@ -1200,37 +1205,43 @@ impl Store {
         }
     }
 
-    /// The state after event `seq` of a session whose window at `seq` is
-    /// longer than [`StoreOptions::rowless_window`], from its view alone
-    /// when the view is at or before `seq` (a stream resuming after the
-    /// latest refresh point, as every reconnecting client does): what
-    /// [`Store::state_resuming`] answers for activation sets, without
-    /// reading the window. `None` when that window is short, the view is
-    /// past `seq`, or `seq` is past the session's head (that path says
-    /// why).
-    #[cfg(feature = "server")]
-    pub(crate) async fn rowless_resuming(
+    /// The state after event `at` without the window's rows, read in one
+    /// transaction a page at a time ([`rowless_state`]): what an activation
+    /// set as of `at` needs, and the bounds of the context there. From the
+    /// log alone unless `from_view`, which lets a view at or before `at`
+    /// start it (a stream resuming after the latest refresh point, as every
+    /// reconnecting client does). Errors: [`Error::SessionNotFound`],
+    /// [`Error::SeqOutOfRange`].
+    pub(crate) async fn rowless_at(
         &self,
         session_id: Uuid,
-        seq: i64,
-    ) -> Result<Option<SessionState>> {
-        let max_window = self.options.rowless_window;
-        let Some((view, events)) = self.view_and_window(session_id, max_window).await? else {
-            return Ok(None);
-        };
-        // Short up to `seq` (its window and the events after the view),
-        // or a view past it: the path that reads the window.
-        if seq - view.window_start < max_window || view.refresh_seq > seq {
-            return Ok(None);
+        at: i64,
+        from_view: bool,
+    ) -> Result<SessionState> {
+        self.read_in_tx(session_id, Some(at), from_view, false)
+            .await
+    }
+
+    /// [`read_state`] in a read transaction of the backend, with the
+    /// cached state.
+    async fn read_in_tx(
+        &self,
+        session_id: Uuid,
+        at: Option<i64>,
+        from_view: bool,
+        rows: bool,
+    ) -> Result<SessionState> {
+        let cached = self.cached_state(session_id);
+        match &self.backend {
+            Backend::Sqlite(b) => {
+                let tx = b.begin_read().await?;
+                read_state(tx, cached, session_id, at, from_view, rows).await
+            }
+            Backend::Postgres(b) => {
+                let tx = b.begin_read().await?;
+                read_state(tx, cached, session_id, at, from_view, rows).await
+            }
         }
-        // A short window came with the events: only those after the view
-        // count here.
-        let tail: Vec<StoredEvent> = events
-            .into_iter()
-            .filter(|e| e.seq > view.refresh_seq)
-            .collect();
-        let state = self.rowless_from(&view, tail, seq).await?;
-        Ok((state.seq == seq).then_some(state))
     }
 
     /// The session's view and, in one statement (each is a hop to the
@@ -1283,15 +1294,7 @@ impl Store {
     /// [`Store::state`] through a read transaction (the cache, the view and
     /// window, the fold of what follows).
     async fn state_read(&self, session_id: Uuid, at_seq: Option<i64>) -> Result<SessionState> {
-        let cached = self.cached_state(session_id);
-        let state = match &self.backend {
-            Backend::Sqlite(b) => {
-                read_state(b.begin_read().await?, cached, session_id, at_seq, false).await?
-            }
-            Backend::Postgres(b) => {
-                read_state(b.begin_read().await?, cached, session_id, at_seq, false).await?
-            }
-        };
+        let state = self.read_in_tx(session_id, at_seq, false, true).await?;
         if at_seq.is_none() {
             self.cache_state(state.clone());
         }
@@ -1305,15 +1308,7 @@ impl Store {
     /// before the first byte on a session of 10^6 events). Otherwise, and
     /// with the same errors, [`Store::state`] at `Some(seq)`.
     pub async fn state_resuming(&self, session_id: Uuid, seq: i64) -> Result<SessionState> {
-        let cached = self.cached_state(session_id);
-        match &self.backend {
-            Backend::Sqlite(b) => {
-                read_state(b.begin_read().await?, cached, session_id, Some(seq), true).await
-            }
-            Backend::Postgres(b) => {
-                read_state(b.begin_read().await?, cached, session_id, Some(seq), true).await
-            }
-        }
+        self.read_in_tx(session_id, Some(seq), true, true).await
     }
 
     /// The latest state in one statement and no transaction: the
@@ -1385,7 +1380,7 @@ impl Store {
     pub async fn activations(&self, session_id: Uuid, at_seq: Option<i64>) -> Result<Activations> {
         Ok(match at_seq {
             None => self.latest_without_rows(session_id).await?,
-            Some(_) => self.state(session_id, at_seq).await?,
+            Some(n) => self.rowless_at(session_id, n, false).await?,
         }
         .activations())
     }
@@ -1814,7 +1809,12 @@ async fn cold_state<T: LogTx>(
         Some(row) => {
             let view = row.to_view()?;
             let window = tx
-                .range(session_id, view.window_start - 1, view.refresh_seq)
+                .range(
+                    session_id,
+                    view.window_start - 1,
+                    view.refresh_seq,
+                    usize::MAX,
+                )
                 .await?;
             Ok((SessionState::from_view(&view, &window), Some(row)))
         }
@@ -1831,7 +1831,12 @@ async fn fold_page<T: LogTx>(
     upto: i64,
 ) -> Result<Vec<StoredEvent>> {
     let page = tx
-        .range(session_id, after, upto.min(after + FOLD_PAGE))
+        .range(
+            session_id,
+            after,
+            upto.min(after + FOLD_PAGE),
+            FOLD_PAGE_BYTES,
+        )
         .await?;
     if page.is_empty() {
         return Err(Error::Corrupt(format!(
@@ -1907,13 +1912,15 @@ async fn prefetch_calls<T: LogTx>(
 }
 
 /// The state as of `at` (the head when `None`), read in one transaction so
-/// the view, the window and the events after it agree.
+/// the view, the window and the events after it agree. Without `rows`, a
+/// rowless state ([`rowless_state`]).
 async fn read_state<T: LogTx>(
     mut tx: T,
     cached: Option<SessionState>,
     session_id: Uuid,
     at: Option<i64>,
     from_view: bool,
+    rows: bool,
 ) -> Result<SessionState> {
     let latest = tx.head_seq(session_id).await?;
     if latest == 0 {
@@ -1930,6 +1937,16 @@ async fn read_state<T: LogTx>(
             })
         }
     };
+    if !rows {
+        return rowless_state(
+            &mut tx,
+            cached,
+            session_id,
+            target,
+            at.is_none() || from_view,
+        )
+        .await;
+    }
     let state = match cached {
         Some(s) if s.seq <= target => s,
         // (A view past the target is dropped just below.)
@@ -1952,6 +1969,62 @@ async fn read_state<T: LogTx>(
         state.forget_calls_outside_window();
     }
     Ok(state)
+}
+
+/// The state after event `target` without the window's rows
+/// ([`SessionState::is_rowless`]): what an activation set, a view or a
+/// context's bounds need, read in pages of bounded bytes, so that no fold
+/// holds a session that was never compacted (whose window is its whole
+/// log: 708 MB for `activations --at-seq` at 10^6 events before,
+/// docs/benchmarks.md item 22). From the view when `from_view` and the view
+/// is at or before `target`, else from seq 1 (an answer from the log
+/// alone). A cached state already at `target` is the answer as it is.
+async fn rowless_state<T: LogTx>(
+    tx: &mut T,
+    cached: Option<SessionState>,
+    session_id: Uuid,
+    target: i64,
+    from_view: bool,
+) -> Result<SessionState> {
+    if let Some(state) = cached.filter(|s| s.seq == target) {
+        return Ok(state);
+    }
+    let view = match from_view {
+        true => tx.load_view(session_id).await?,
+        false => None,
+    };
+    let mut state = match view {
+        Some(row) if row.refresh_seq <= target => {
+            SessionState::from_view_without_rows(&row.to_view()?)
+        }
+        _ => SessionState::empty_without_rows(session_id),
+    };
+    while state.seq < target {
+        for e in fold_page(tx, session_id, state.seq, target).await? {
+            let kept = kept_seq(tx, &e).await?;
+            state.apply_rowless(e, kept);
+        }
+    }
+    Ok(state)
+}
+
+/// The seq of the row a compaction keeps from, looked up in the log (a
+/// rowless state does not hold it); `None` for any other event, or a
+/// compaction that keeps nothing.
+async fn kept_seq<T: LogTx>(tx: &mut T, event: &StoredEvent) -> Result<Option<i64>> {
+    let EventBody::Compaction {
+        first_kept_event_id: Some(id),
+        ..
+    } = &event.body
+    else {
+        return Ok(None);
+    };
+    Ok(tx
+        .stored_by_ids(&[*id])
+        .await?
+        .into_iter()
+        .find(|kept| kept.session_id == event.session_id)
+        .map(|kept| kept.seq))
 }
 
 /// The whole log of one session folded page by page, for `verify` and
@@ -1978,7 +2051,9 @@ impl LogFold {
         }
         let refresh = tx.last_refresh_seq(session_id).await?;
         Ok(LogFold {
-            state: SessionState::empty(session_id),
+            // The fold holds no rows: a session never compacted has its
+            // whole log as its window (800 MB at 10^6 events before).
+            state: SessionState::empty_without_rows(session_id),
             view: None,
             refresh,
             head,
@@ -2001,7 +2076,7 @@ impl LogFold {
         };
         let page = fold_page(tx, self.state.session_id, seq, stop).await?;
         let mut answered = Vec::new();
-        for e in &page {
+        for e in page {
             match &e.body {
                 EventBody::ToolCall {
                     call_id, tool_name, ..
@@ -2016,9 +2091,9 @@ impl LogFold {
                 }
                 _ => {}
             }
-            self.state.apply(e);
+            let kept = kept_seq(tx, &e).await?;
+            self.state.apply_rowless(e, kept);
         }
-        self.state.forget_calls_outside_window();
         if self.refresh > 0 && self.state.seq == self.refresh {
             self.view = Some(self.state.view());
         }
@@ -2210,7 +2285,12 @@ async fn changes_from_log<T: LogTx>(
     let mut after = 0;
     while after < head {
         let page = tx
-            .range(session_id, after, head.min(after + FOLD_PAGE))
+            .range(
+                session_id,
+                after,
+                head.min(after + FOLD_PAGE),
+                FOLD_PAGE_BYTES,
+            )
             .await?;
         let Some(last) = page.last() else { break };
         after = last.seq;

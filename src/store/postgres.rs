@@ -1091,16 +1091,28 @@ impl LogTx for PgTx {
         rows.into_iter().map(decode).collect()
     }
 
-    async fn range(&mut self, session_id: Uuid, after: i64, upto: i64) -> Result<Vec<StoredEvent>> {
+    async fn range(
+        &mut self,
+        session_id: Uuid,
+        after: i64,
+        upto: i64,
+        max_bytes: usize,
+    ) -> Result<Vec<StoredEvent>> {
         self.flush_for(session_id).await?;
-        let rows: Vec<Row> = trip(self.deadline, sqlx::query_as(&format!(
+        let sql = format!(
             "SELECT {COLUMNS} FROM events WHERE session_id = $1 AND seq > $2 AND seq <= $3 ORDER BY seq"
-        ))
-        .bind(session_id)
-        .bind(after)
-        .bind(upto)
-        .fetch_all(self.conn()?)).await?;
-        rows.into_iter().map(decode).collect()
+        );
+        let deadline = self.deadline;
+        let mut rows = sqlx::query_as::<_, Row>(&sql)
+            .bind(session_id)
+            .bind(after)
+            .bind(upto)
+            .fetch(self.conn()?);
+        within(
+            deadline,
+            super::take_within(&mut rows, max_bytes, |r: &Row| r.4.len(), decode),
+        )
+        .await
     }
 
     async fn reserve_positions(&mut self, n: i64) -> Result<i64> {

@@ -1279,17 +1279,22 @@ impl LogTx for SqliteTx {
         Ok(out)
     }
 
-    async fn range(&mut self, session_id: Uuid, after: i64, upto: i64) -> Result<Vec<StoredEvent>> {
-        let rows: Vec<Row> = sqlx::query_as(&format!(
+    async fn range(
+        &mut self,
+        session_id: Uuid,
+        after: i64,
+        upto: i64,
+        max_bytes: usize,
+    ) -> Result<Vec<StoredEvent>> {
+        let sql = format!(
             "SELECT {COLUMNS} FROM events WHERE session_id = ? AND seq > ? AND seq <= ? ORDER BY seq"
-        ))
-        .bind(session_id.to_string())
-        .bind(after)
-        .bind(upto)
-        .fetch_all(self.conn().await?)
-        .await
-        .map_err(Error::from_sqlx)?;
-        rows.into_iter().map(decode).collect()
+        );
+        let mut rows = sqlx::query_as::<_, Row>(&sql)
+            .bind(session_id.to_string())
+            .bind(after)
+            .bind(upto)
+            .fetch(self.conn().await?);
+        super::take_within(&mut rows, max_bytes, |r: &Row| r.4.len(), decode).await
     }
 
     async fn reserve_positions(&mut self, _n: i64) -> Result<i64> {
