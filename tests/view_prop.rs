@@ -64,8 +64,37 @@ async fn check_log(url: &str, seed: u64, len: usize) -> Result<(), TestCaseError
             rowless.activations(session, None).await.unwrap(),
             expected.activations()
         );
-        prop_assert_eq!(rowless.recover(session).await.unwrap(), r);
+        prop_assert_eq!(&rowless.recover(session).await.unwrap(), &r);
         rowless.close().await;
+        // One whose cold read stops after the first event's bytes (as for
+        // events of megabytes after the last prompt): the activation set
+        // and recovery go on page by page, the context through the
+        // transactional path.
+        let cut = Store::open_with(
+            url,
+            StoreOptions {
+                window_read_bytes: 1,
+                ..StoreOptions::default()
+            },
+        )
+        .await
+        .unwrap();
+        prop_assert_eq!(
+            cut.activations(session, None).await.unwrap(),
+            expected.activations()
+        );
+        prop_assert_eq!(&cut.recover(session).await.unwrap(), &r);
+        cut.clear_cache();
+        prop_assert_eq!(
+            context_of_pages(&cut, session, None).await,
+            expected.context()
+        );
+        cut.clear_cache();
+        prop_assert_eq!(
+            cut.context(session, None).await.unwrap(),
+            expected.context()
+        );
+        cut.close().await;
     }
     // As of every seq, from the log alone: the activation set, and the
     // context whole (a short window) or in pages (any window with

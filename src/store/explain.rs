@@ -103,17 +103,26 @@ impl Store {
         if !state.is_rowless() {
             return Ok((head, None));
         }
+        // The first page: the answer whole when it holds the window (a
+        // short one, of at most 4 MiB of payloads), else the first of the
+        // pages.
         let window = state.seq - state.window_start + 1;
-        if window <= self.options.rowless_window {
-            // Short: its rows in one read, the answer whole.
-            let rows = self
-                .history_within(session_id, state.window_start - 1, window, usize::MAX)
-                .await?;
-            head.rows = rows
-                .into_iter()
-                .filter(|e| e.body.is_row())
-                .map(ContextRow::from)
-                .collect();
+        let first = self
+            .history_within(
+                session_id,
+                state.window_start - 1,
+                window.min(FOLD_PAGE),
+                self.options.window_read_bytes,
+            )
+            .await?;
+        let after = first.last().map_or(state.window_start - 1, |e| e.seq);
+        let first: Vec<ContextRow> = first
+            .into_iter()
+            .filter(|e| e.body.is_row())
+            .map(ContextRow::from)
+            .collect();
+        if after >= state.seq && window <= self.options.rowless_window {
+            head.rows = first;
             return Ok((head, None));
         }
         let events = EventPages {
@@ -121,10 +130,16 @@ impl Store {
             target: state.seq,
             prompt: None,
             prompts: 0,
-            after: state.window_start - 1,
+            after,
             done: false,
         };
-        Ok((head, Some(ContextPages(events))))
+        Ok((
+            head,
+            Some(ContextPages {
+                first: Some(first),
+                events,
+            }),
+        ))
     }
 
     /// Feeds the session's events from seq 1 up to `at` to `f`, a page at
@@ -218,13 +233,20 @@ impl EventPages {
 /// time: the transcript rows among the events from the window's start to
 /// the answer's seq.
 #[derive(Debug)]
-pub struct ContextPages(EventPages);
+pub struct ContextPages {
+    /// The rows of the page read to size the answer, given first.
+    first: Option<Vec<ContextRow>>,
+    events: EventPages,
+}
 
 impl ContextPages {
     /// The next page of rows (possibly empty, when a page of the log holds
     /// none); `None` once every row was given.
     pub async fn next_page(&mut self, store: &Store) -> Result<Option<Vec<ContextRow>>> {
-        Ok(self.0.next_page(store).await?.map(|page| {
+        if let Some(first) = self.first.take() {
+            return Ok(Some(first));
+        }
+        Ok(self.events.next_page(store).await?.map(|page| {
             page.into_iter()
                 .filter(|e| e.body.is_row())
                 .map(ContextRow::from)

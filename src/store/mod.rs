@@ -150,6 +150,12 @@ pub struct StoreOptions {
     /// view from the view alone.
     #[doc(hidden)]
     pub rowless_window: i64,
+    /// The payload bytes after which the cold read stops reading the
+    /// events after the view ([`WindowRead`]), and a context's first page
+    /// ([`Store::context_paged`]) stops (4 MiB); tests set it small to cut
+    /// every such page.
+    #[doc(hidden)]
+    pub window_read_bytes: usize,
 }
 
 impl Default for StoreOptions {
@@ -163,6 +169,7 @@ impl Default for StoreOptions {
             write_deadline: None,
             read_deadline: None,
             rowless_window: ROWLESS_WINDOW,
+            window_read_bytes: FOLD_PAGE_BYTES,
             create_if_missing: true,
         }
     }
@@ -1174,6 +1181,7 @@ impl Store {
         &self,
         view: &View,
         first: Vec<StoredEvent>,
+        first_cut: bool,
         upto: i64,
     ) -> Result<SessionState> {
         let session_id = view.session_id;
@@ -1184,9 +1192,10 @@ impl Store {
             )));
         }
         let mut state = SessionState::from_view_without_rows(view);
-        // The first page is all there was unless it is full; a later one
-        // may be short for its bytes, so only an empty one ends.
-        let mut more = first.len() as i64 >= FOLD_PAGE;
+        // The first page is all there was unless it is full or was cut at
+        // its bytes; a later one may be short for its bytes, so only an
+        // empty one ends.
+        let mut more = first_cut || first.len() as i64 >= FOLD_PAGE;
         let mut page = first;
         loop {
             for e in page {
@@ -1249,18 +1258,29 @@ impl Store {
     /// release costs another), the events from its window's start on (the
     /// window and a page more), or only a page of those after the view when
     /// the window is longer than `max_window`. `None` without a view.
+    /// The events after the view stop at [`FOLD_PAGE_BYTES`] of payloads
+    /// ([`WindowRead`]); the flag says the page was cut there.
     async fn view_and_window(
         &self,
         session_id: Uuid,
-        max_window: i64,
-    ) -> Result<Option<(View, Vec<StoredEvent>)>> {
-        let found = match &self.backend {
-            Backend::Sqlite(b) => b.view_and_window(session_id, FOLD_PAGE, max_window).await?,
-            Backend::Postgres(b) => b.view_and_window(session_id, FOLD_PAGE, max_window).await?,
+        needs: Needs,
+    ) -> Result<Option<(View, Vec<StoredEvent>, bool)>> {
+        let read = match needs {
+            Needs::Rows => WindowRead::new(i64::MAX, false, self.options.window_read_bytes),
+            Needs::Evidence => WindowRead::new(
+                self.options.rowless_window,
+                true,
+                self.options.window_read_bytes,
+            ),
         };
-        found
-            .map(|(row, events)| Ok((row.to_view()?, events)))
-            .transpose()
+        let read = match &self.backend {
+            Backend::Sqlite(b) => b.view_and_window(session_id, FOLD_PAGE, read).await?,
+            Backend::Postgres(b) => b.view_and_window(session_id, FOLD_PAGE, read).await?,
+        };
+        match read.view {
+            Some(row) => Ok(Some((row.to_view()?, read.events, read.cut))),
+            None => Ok(None),
+        }
     }
 
     /// Applies an event to a state that may lack its window's rows
@@ -1331,19 +1351,33 @@ impl Store {
             Needs::Rows => i64::MAX,
             Needs::Evidence => self.options.rowless_window,
         };
-        let Some((view, events)) = self.view_and_window(session_id, max_window).await? else {
+        let Some((view, events, cut)) = self.view_and_window(session_id, needs).await? else {
             return Ok(None);
         };
         let window = view.refresh_seq - view.window_start + 1;
         if window < 0 {
             return Ok(None);
         }
-        if window > max_window {
-            // The events are those after the view (a first page of them).
-            let state = self.rowless_from(&view, events, i64::MAX).await?;
+        // The events are the window (unless longer than `max_window`) and
+        // a page after the view: more may follow when that page is full,
+        // in events or in bytes.
+        let page = match window > max_window {
+            true => FOLD_PAGE,
+            false => window + FOLD_PAGE,
+        };
+        let full = cut || events.len() as i64 >= page;
+        if window > max_window || (full && needs == Needs::Evidence) {
+            // Without rows: the events after the view (a first page of
+            // them, the rest read page by page). Also a short window
+            // followed by more than a page (an agent's loop of tool calls
+            // with no prompt between), or one too large in bytes.
+            let tail = events
+                .into_iter()
+                .filter(|e| e.seq > view.refresh_seq)
+                .collect();
+            let state = self.rowless_from(&view, tail, full, i64::MAX).await?;
             return Ok(Some(Latest::Rowless(state)));
         }
-        let limit = window + FOLD_PAGE;
         let split = events.partition_point(|e| e.seq <= view.refresh_seq);
         if split as i64 != window {
             return Err(Error::Corrupt(format!(
@@ -1351,18 +1385,10 @@ impl Store {
                 view.window_start
             )));
         }
-        if events.len() as i64 >= limit {
-            // More than a page after the view: the window is short but
-            // what follows it is not (an agent's loop of tool calls with no
-            // prompt between). Without rows, the rest is read page by
-            // page; with them, the transactional path.
-            if needs == Needs::Rows {
-                return Ok(None);
-            }
-            let mut events = events;
-            let tail = events.split_off(split);
-            let state = self.rowless_from(&view, tail, i64::MAX).await?;
-            return Ok(Some(Latest::Rowless(state)));
+        if full {
+            // With rows, more than a page after the view: the
+            // transactional path.
+            return Ok(None);
         }
         let mut state = SessionState::from_view(&view, &events[..split]);
         for e in &events[split..] {
@@ -2346,6 +2372,80 @@ impl Store {
             );
         }
         Ok(())
+    }
+}
+
+/// The rows of a view-and-window read (`view_and_window` of each backend)
+/// as they stream in: the view, then the events from the window's start
+/// (or from after the view, for a window longer than `max_window`). The
+/// events after the view stop at `max_bytes` of payloads, so a run of
+/// large events after the last prompt is not read whole (2 000 events of
+/// 100 KB took 411 MB); the window comes whole for a caller that needs its
+/// rows, and counts toward the bound for one that does not. A page is
+/// cut only when the rows come as the statement orders them (the view,
+/// then the first event expected and each next seq), which every plan
+/// here does; out of order, every row is read, as before.
+pub(crate) struct WindowRead {
+    max_window: i64,
+    /// Whether the window's payloads count too (a caller that needs no
+    /// rows, which then reads the events after the view page by page).
+    window_too: bool,
+    max_bytes: usize,
+    pub(crate) view: Option<ViewRow>,
+    pub(crate) events: Vec<StoredEvent>,
+    bytes: usize,
+    last_seq: Option<i64>,
+    in_order: bool,
+    /// Whether reading stopped at `max_bytes` (more may follow).
+    pub(crate) cut: bool,
+}
+
+impl WindowRead {
+    pub(crate) fn new(max_window: i64, window_too: bool, max_bytes: usize) -> WindowRead {
+        WindowRead {
+            max_window,
+            window_too,
+            max_bytes,
+            view: None,
+            events: Vec::new(),
+            bytes: 0,
+            last_seq: None,
+            in_order: true,
+            cut: false,
+        }
+    }
+
+    /// The longest window the read includes (a longer one is left out).
+    pub(crate) fn max_window(&self) -> i64 {
+        self.max_window
+    }
+
+    /// Counts the next event row, at `seq` with a payload of `len` bytes;
+    /// false once the page is cut there (keep this row, read no more).
+    /// The backend keeps the rows and decodes them after the statement
+    /// (decoding each as it came held the driver's thread back: the
+    /// SQLite pre-request read was 12 % slower).
+    pub(crate) fn admit(&mut self, seq: i64, len: usize) -> bool {
+        let Some(view) = &self.view else {
+            self.in_order = false;
+            return true;
+        };
+        let expected = match self.last_seq {
+            Some(last) => last + 1,
+            None if view.refresh_seq - view.window_start + 1 > self.max_window => {
+                view.refresh_seq + 1
+            }
+            None => view.window_start,
+        };
+        self.last_seq = Some(seq);
+        self.in_order &= seq == expected;
+        if self.window_too || seq > view.refresh_seq {
+            self.bytes += len;
+        }
+        if self.in_order && self.bytes >= self.max_bytes {
+            self.cut = true;
+        }
+        !self.cut
     }
 }
 

@@ -388,13 +388,14 @@ impl PgBackend {
         &self,
         session_id: Uuid,
         after: i64,
-        max_window: i64,
-    ) -> Result<Option<(ViewRow, Vec<StoredEvent>)>> {
+        mut read: super::WindowRead,
+    ) -> Result<super::WindowRead> {
+        use tokio_stream::StreamExt;
         // The view as JSON in a row of its own (the last column set), then
         // the events, each part from the same snapshot.
-        let rows: Vec<ViewOrEvent> =
-            trip(self.read_deadline, sqlx::query_as(
-                "SELECT 0::BIGINT, v.session_id, 0::BIGINT, v.session_id, '', now(), \
+        let max_window = read.max_window();
+        let mut rows = sqlx::query_as::<_, ViewOrEvent>(
+            "SELECT 0::BIGINT, v.session_id, 0::BIGINT, v.session_id, '', now(), \
                      json_build_array(v.refresh_seq, v.mode, v.window_start, v.compaction_seq, \
                        v.summary, v.catalogs, v.evidence, v.active)::TEXT \
                    FROM session_views v WHERE v.session_id = $1 \
@@ -408,30 +409,40 @@ impl PgBackend {
                       ORDER BY seq \
                       LIMIT CASE WHEN v.refresh_seq - v.window_start + 1 > $3 THEN $2 \
                                  ELSE GREATEST(0, v.refresh_seq - v.window_start + 1 + $2) END) AS e \
-                   WHERE v.session_id = $1",
-            )
-            .bind(session_id)
-            .bind(after)
-            .bind(max_window)
-            .fetch_all(&self.pool)).await?;
-        let mut view = None;
-        let mut events = Vec::with_capacity(rows.len());
-        for (p, s, q, e, payload, t, json) in rows {
-            match json {
-                Some(json) => {
-                    let columns: ViewColumns = serde_json::from_str(&json).map_err(|e| {
-                        Error::Corrupt(format!(
-                            "the view of session {session_id} could not be read: {e}"
-                        ))
-                    })?;
-                    view = Some(ViewRow::from_columns(session_id, columns));
-                }
-                None => events.push(decode((p, s, q, e, payload, t))?),
+                   WHERE v.session_id = $1"
+        )
+        .bind(session_id)
+        .bind(after)
+        .bind(max_window)
+        .fetch(&self.pool);
+        let mut events = Vec::new();
+        within(self.read_deadline, async {
+            while let Some(row) = rows.next().await {
+                let (p, s, q, e, payload, t, json) = row.map_err(Error::from_sqlx)?;
+                let Some(json) = json else {
+                    let len = payload.len();
+                    events.push((p, s, q, e, payload, t));
+                    if !read.admit(q, len) {
+                        break;
+                    }
+                    continue;
+                };
+                let columns: ViewColumns = serde_json::from_str(&json).map_err(|e| {
+                    Error::Corrupt(format!(
+                        "the view of session {session_id} could not be read: {e}"
+                    ))
+                })?;
+                read.view = Some(ViewRow::from_columns(session_id, columns));
             }
-        }
-        // Each part comes in its own order; the events in seq order.
-        events.sort_by_key(|e| e.seq);
-        Ok(view.map(|v| (v, events)))
+            Ok(())
+        })
+        .await?;
+        drop(rows);
+        read.events = events.into_iter().map(decode).collect::<Result<_>>()?;
+        // Each part comes in its own order; the events in seq order (a
+        // page is only cut when they came so).
+        read.events.sort_by_key(|e| e.seq);
+        Ok(read)
     }
 
     pub(crate) async fn feed(&self, after: i64, limit: i64) -> Result<Vec<StoredEvent>> {

@@ -620,26 +620,32 @@ impl SqliteBackend {
         &self,
         session_id: Uuid,
         after: i64,
-        max_window: i64,
-    ) -> Result<Option<(ViewRow, Vec<StoredEvent>)>> {
-        let rows = sqlx::query(VIEW_AND_WINDOW)
+        mut read: super::WindowRead,
+    ) -> Result<super::WindowRead> {
+        use tokio_stream::StreamExt;
+        let mut rows = sqlx::query(VIEW_AND_WINDOW)
             .bind(session_id.to_string())
             .bind(after)
-            .bind(max_window)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(Error::from_sqlx)?;
-        let mut view = None;
-        let mut events = Vec::with_capacity(rows.len());
-        for row in rows {
+            .bind(read.max_window())
+            .fetch(&self.pool);
+        let mut events = Vec::new();
+        while let Some(row) = rows.next().await {
+            let row = row.map_err(Error::from_sqlx)?;
             let kind: i64 = row.try_get(0).map_err(corrupt_row)?;
             if kind == 0 {
-                view = Some(ViewRow::from_columns(session_id, view_at(&row, 1)?));
-            } else {
-                events.push(event_at(&row)?);
+                read.view = Some(ViewRow::from_columns(session_id, view_at(&row, 1)?));
+                continue;
+            }
+            let seq: i64 = row.try_get(3).map_err(corrupt_row)?;
+            let len = row.try_get::<&str, _>(5).map_err(corrupt_row)?.len();
+            events.push(row);
+            if !read.admit(seq, len) {
+                break;
             }
         }
-        Ok(view.map(|v| (v, events)))
+        drop(rows);
+        read.events = events.iter().map(event_at).collect::<Result<_>>()?;
+        Ok(read)
     }
 
     /// The latest position (0 for an empty log): what the subscribers'
