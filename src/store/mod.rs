@@ -2067,6 +2067,13 @@ struct LogFold {
     head: i64,
     /// Calls not answered yet: id -> (tool, call seq).
     open: HashMap<String, (String, i64)>,
+    /// The activation changes the log implies (the set at each refresh
+    /// point against the one at the previous refresh point), computed in
+    /// the same pass: a second fold of the log for them doubled the time
+    /// of `verify` and `rebuild` (docs/benchmarks.md item 24).
+    changes: Vec<ChangeRow>,
+    /// The activation set at the last refresh point folded.
+    before: Vec<Activation>,
 }
 
 impl LogFold {
@@ -2084,6 +2091,8 @@ impl LogFold {
             refresh,
             head,
             open: HashMap::new(),
+            changes: Vec::new(),
+            before: Vec::new(),
         })
     }
 
@@ -2118,7 +2127,13 @@ impl LogFold {
                 _ => {}
             }
             let kept = kept_seq(tx, &e).await?;
+            let refresh = e.body.is_refresh_point().then(|| ChangeAt::of(&e));
             self.state.apply_rowless(e, kept);
+            if let Some(at) = refresh {
+                let now = self.state.activation_set();
+                self.changes.extend(change_rows(&at, &self.before, &now));
+                self.before = now;
+            }
         }
         if self.refresh > 0 && self.state.seq == self.refresh {
             self.view = Some(self.state.view());
@@ -2127,16 +2142,16 @@ impl LogFold {
         Ok(Some(answered))
     }
 
-    /// The view at the latest refresh point, the state at the head, and
-    /// the calls index rows of the calls never answered.
-    fn finish(self) -> (Option<View>, SessionState, Vec<CallRow>) {
+    /// The view at the latest refresh point, the calls index rows of the
+    /// calls never answered, and the activation changes.
+    fn finish(self) -> (Option<View>, Vec<CallRow>, Vec<ChangeRow>) {
         let mut unanswered: Vec<CallRow> = self
             .open
             .into_iter()
             .map(|(id, (tool, seq))| (id, tool, seq, None))
             .collect();
         unanswered.sort_by_key(|r| r.2);
-        (self.view, self.state, unanswered)
+        (self.view, unanswered, self.changes)
     }
 }
 
@@ -2184,7 +2199,7 @@ async fn verify_in<T: LogTx>(mut tx: T, session_id: Uuid) -> Result<Option<Strin
             calls_differ = calls_difference(&mut tx, session_id, &rows).await?;
         }
     }
-    let (expected, state, unanswered) = fold.finish();
+    let (expected, unanswered, expected_changes) = fold.finish();
     if calls_differ.is_none() {
         calls_differ = calls_difference(&mut tx, session_id, &unanswered).await?;
     }
@@ -2213,7 +2228,6 @@ async fn verify_in<T: LogTx>(mut tx: T, session_id: Uuid) -> Result<Option<Strin
     if difference.is_some() {
         return Ok(difference);
     }
-    let expected_changes = changes_from_log(&mut tx, session_id, state.seq).await?;
     let stored_changes = tx.load_changes(session_id).await?;
     if expected_changes != stored_changes {
         let first = expected_changes
@@ -2286,50 +2300,15 @@ async fn rebuild_session<T: LogTx>(tx: &mut T, session_id: Uuid) -> Result<()> {
             tx.record_calls(session_id, &rows).await?;
         }
     }
-    let (view, state, unanswered) = fold.finish();
+    let (view, unanswered, changes) = fold.finish();
     if !unanswered.is_empty() {
         tx.record_calls(session_id, &unanswered).await?;
     }
-    let changes = changes_from_log(tx, session_id, state.seq).await?;
     if let Some(view) = &view {
         tx.write_view(&ViewRow::from_view(view)).await?;
     }
     tx.record_changes(&changes).await?;
     tx.changes_backfill_done(session_id).await
-}
-
-/// The session's activation changes as the log implies them: the set at
-/// each refresh point against the one at the previous refresh point.
-async fn changes_from_log<T: LogTx>(
-    tx: &mut T,
-    session_id: Uuid,
-    head: i64,
-) -> Result<Vec<ChangeRow>> {
-    let mut tracker = crate::audit::Auditor::new(session_id);
-    let mut before: Vec<Activation> = Vec::new();
-    let mut changes = Vec::new();
-    let mut after = 0;
-    while after < head {
-        let page = tx
-            .range(
-                session_id,
-                after,
-                head.min(after + FOLD_PAGE),
-                FOLD_PAGE_BYTES,
-            )
-            .await?;
-        let Some(last) = page.last() else { break };
-        after = last.seq;
-        for e in &page {
-            tracker.apply(e);
-            if e.body.is_refresh_point() {
-                let now = tracker.activation_set();
-                changes.extend(change_rows(&ChangeAt::of(e), &before, &now));
-                before = now;
-            }
-        }
-    }
-    Ok(changes)
 }
 
 impl Store {
