@@ -353,6 +353,23 @@ fn a_long_uncompacted_session_is_answered_from_its_view_on_postgres() {
     runtime().block_on(long_uncompacted_session(&db.url));
 }
 
+/// A session's start, its catalog of `web_fetch` and `image_view`, and its
+/// first prompt.
+fn opening() -> Vec<NewEvent> {
+    use session_store::EventBody;
+    vec![
+        NewEvent::new(EventBody::SessionStarted {
+            mode: "agent".into(),
+            metadata: None,
+        }),
+        NewEvent::new(EventBody::CatalogDefined {
+            mode: "agent".into(),
+            deferred_tools: vec!["web_fetch".into(), "image_view".into()],
+        }),
+        NewEvent::new(EventBody::PromptSubmitted { text: "go".into() }),
+    ]
+}
+
 /// A session whose last refresh point is its first prompt, followed by an
 /// agent's loop of more than a page (2 000 events) of tool calls and
 /// results with no prompt between: the window at the view is short, what
@@ -364,17 +381,7 @@ async fn long_tail_after_the_view(url: &str) {
     use session_store::EventBody;
     let session = Uuid::new_v4();
     let store = Store::open(url).await.unwrap();
-    let mut log = vec![
-        NewEvent::new(EventBody::SessionStarted {
-            mode: "agent".into(),
-            metadata: None,
-        }),
-        NewEvent::new(EventBody::CatalogDefined {
-            mode: "agent".into(),
-            deferred_tools: vec!["web_fetch".into(), "image_view".into()],
-        }),
-        NewEvent::new(EventBody::PromptSubmitted { text: "go".into() }),
-    ];
+    let mut log = opening();
     for i in 0..1_300 {
         log.push(NewEvent::new(EventBody::ToolCall {
             call_id: format!("c{i}"),
@@ -435,4 +442,107 @@ fn a_long_tail_after_the_view_is_read_page_by_page_on_postgres() {
         return;
     };
     runtime().block_on(long_tail_after_the_view(&db.url));
+}
+
+/// A session of tool results of 100 KB, 12 MB in all, with a compaction
+/// that keeps a row: every fold of it (`verify`, `rebuild`, `--at-seq`,
+/// the paged context, the cold read) goes in pages that stop at 4 MiB of
+/// payloads, and each answer equals the fold's. A page holds the events
+/// up to the one that brings it to 4 MiB, and no more (on PostgreSQL the
+/// server stops it, so the rows after it never cross the wire).
+async fn large_events(url: &str) {
+    use session_store::event::ToolStatus;
+    use session_store::EventBody;
+    let session = Uuid::new_v4();
+    let store = Store::open(url).await.unwrap();
+    let output = "z".repeat(100_000);
+    let mut log = opening();
+    for i in 0..60 {
+        log.push(NewEvent::new(EventBody::ToolCall {
+            call_id: format!("c{i}"),
+            tool_name: "ToolSearch".into(),
+            input: serde_json::Value::Null,
+        }));
+        log.push(NewEvent::new(EventBody::ToolResult {
+            call_id: format!("c{i}"),
+            tool_name: "ToolSearch".into(),
+            status: ToolStatus::Success,
+            output: Some(serde_json::Value::String(output.clone())),
+            added_tool_names: Some(vec![if i < 30 { "web_fetch" } else { "image_view" }.into()]),
+        }));
+        if i == 40 {
+            log.push(NewEvent::new(EventBody::PromptSubmitted {
+                text: "on".into(),
+            }));
+        }
+    }
+    let mut seq = 0;
+    for chunk in log.chunks(20) {
+        store.append(session, seq, chunk.to_vec()).await.unwrap();
+        seq += chunk.len() as i64;
+    }
+    // A compaction keeping the rows from the 45th call on, then a prompt.
+    let all = store.history(session, 0, 1_000).await.unwrap();
+    let kept = all
+        .iter()
+        .find(|e| matches!(&e.body, EventBody::ToolCall { call_id, .. } if call_id == "c45"))
+        .unwrap()
+        .event_id;
+    let tail = vec![
+        NewEvent::new(EventBody::Compaction {
+            summary: "s".into(),
+            first_kept_event_id: Some(kept),
+            tokens_before: None,
+        }),
+        NewEvent::new(EventBody::PromptSubmitted { text: "end".into() }),
+    ];
+    store.append(session, seq, tail).await.unwrap();
+    seq += 2;
+    // One page: the events up to the one that reaches 4 MiB.
+    let page = store
+        .history_within(session, 0, 2_000, 4 << 20)
+        .await
+        .unwrap();
+    let sizes: Vec<usize> = page.iter().map(|e| e.body.to_json_text().len()).collect();
+    let before_last: usize = sizes[..sizes.len() - 1].iter().sum();
+    assert!(before_last < 4 << 20, "{} events", page.len());
+    assert!(
+        before_last + sizes[sizes.len() - 1] >= 4 << 20,
+        "{} events",
+        page.len()
+    );
+    let all = store.history(session, 0, 1_000).await.unwrap();
+    assert_eq!(all.len() as i64, seq);
+    assert_eq!(store.verify(session).await.unwrap(), None);
+    store.rebuild(session).await.unwrap();
+    assert_eq!(store.verify(session).await.unwrap(), None);
+    for n in [3, 60, 90, 95, seq - 1, seq] {
+        let expected = SessionState::fold(session, &all[..n as usize]);
+        assert_eq!(
+            store.activations(session, Some(n)).await.unwrap(),
+            expected.activations(),
+            "at {n}"
+        );
+        assert_eq!(
+            context_of_pages(&store, session, Some(n)).await,
+            expected.context(),
+            "at {n}"
+        );
+    }
+    answers_from_the_view_match_the_fold(url, session, "large events").await;
+    store.close().await;
+}
+
+#[test]
+fn large_events_are_folded_in_pages_of_bounded_bytes_on_sqlite() {
+    let db = common::sqlite_db();
+    runtime().block_on(large_events(&db.url));
+}
+
+#[test]
+fn large_events_are_folded_in_pages_of_bounded_bytes_on_postgres() {
+    let Some(db) = common::postgres_db() else {
+        return;
+    };
+    runtime().block_on(large_events(&db.url));
 }
