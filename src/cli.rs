@@ -937,16 +937,10 @@ async fn run_on(
         }
         Command::Export { session } => {
             let session = parse_session(&session)?;
-            if store.head_seq(session).await? == 0 {
-                return Err(Error::SessionNotFound(session).into());
-            }
-            // Page by page: a session of any length streams in constant
-            // memory.
-            let mut after = 0;
-            loop {
-                let page = store.history(session, after, 1_000).await?;
-                let Some(last) = page.last() else { break };
-                after = last.seq;
+            // Page by page (2 000 events, at most 4 MiB of payloads): a
+            // session of any length streams in constant memory.
+            let mut pages = store.event_pages(session, At::Latest).await?;
+            while let Some(page) = pages.next_page(store).await? {
                 for e in &page {
                     print_json(out, &e.export_line())?;
                 }

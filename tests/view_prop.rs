@@ -7,7 +7,7 @@ mod common;
 
 use common::gen::{valid_log, Rng};
 use proptest::prelude::*;
-use session_store::store::ROWLESS_WINDOW;
+use session_store::store::{PAGE_BYTES, ROWLESS_WINDOW};
 use session_store::{NewEvent, SessionState, Store, StoreOptions};
 use uuid::Uuid;
 
@@ -498,19 +498,39 @@ async fn large_events(url: &str) {
     ];
     store.append(session, seq, tail).await.unwrap();
     seq += 2;
-    // One page: the events up to the one that reaches 4 MiB.
+    // One page, of a session's history or of the global feed: the events
+    // up to the one that reaches 4 MiB.
+    let ends_at_the_bound = |page: &[session_store::StoredEvent], what: &str| {
+        let sizes: Vec<usize> = page.iter().map(|e| e.body.to_json_text().len()).collect();
+        let before_last: usize = sizes[..sizes.len() - 1].iter().sum();
+        assert!(before_last < PAGE_BYTES, "{what}: {} events", page.len());
+        assert!(
+            before_last + sizes[sizes.len() - 1] >= PAGE_BYTES,
+            "{what}: {} events",
+            page.len()
+        );
+    };
     let page = store
-        .history_within(session, 0, 2_000, 4 << 20)
+        .history_within(session, 0, 2_000, PAGE_BYTES)
         .await
         .unwrap();
-    let sizes: Vec<usize> = page.iter().map(|e| e.body.to_json_text().len()).collect();
-    let before_last: usize = sizes[..sizes.len() - 1].iter().sum();
-    assert!(before_last < 4 << 20, "{} events", page.len());
-    assert!(
-        before_last + sizes[sizes.len() - 1] >= 4 << 20,
-        "{} events",
-        page.len()
-    );
+    ends_at_the_bound(&page, "history");
+    let feed = store.feed(0, 1_000).await.unwrap();
+    ends_at_the_bound(&feed, "feed");
+    // Pages of any size add up to the whole log, in order.
+    let mut after = 0;
+    let mut fed = 0;
+    loop {
+        let page = store.feed(after, 1_000).await.unwrap();
+        let Some(last) = page.last() else { break };
+        assert!(last.position > after);
+        after = last.position;
+        fed += page.len() as i64;
+    }
+    assert_eq!(fed, seq);
+    let chain = store.verify_integrity(Some(session)).await.unwrap();
+    assert!(chain.intact(), "{chain:?}");
+    assert_eq!(chain.events, seq as u64);
     let all = store.history(session, 0, 1_000).await.unwrap();
     assert_eq!(all.len() as i64, seq);
     assert_eq!(store.verify(session).await.unwrap(), None);

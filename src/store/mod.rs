@@ -55,10 +55,15 @@ use crate::validate::DEFAULT_MAX_EVENT_BYTES;
 /// How many events one read fetches when folding a log.
 const FOLD_PAGE: i64 = 2_000;
 
-/// The most bytes of payloads a page of a rowless fold or of a long
-/// context reads at once (more by at most one event): 2 000 events of a
-/// few KB, but not 2 000 of the largest accepted size.
-const FOLD_PAGE_BYTES: usize = 4 << 20;
+/// The most bytes of payloads a page of the log holds (more by at most
+/// one event): every paged pass over events (folds, long contexts, the
+/// feed, `export`, the chain's checks) stops there, so 1 000 or 2 000
+/// events of a few KB make a page, but not of the largest accepted size
+/// (1 000 events of 1 MiB were a page of a gigabyte).
+pub const PAGE_BYTES: usize = 4 << 20;
+
+/// [`PAGE_BYTES`], by the name the folds use.
+const FOLD_PAGE_BYTES: usize = PAGE_BYTES;
 
 /// The longest window an answer that needs no rows reads (the activation
 /// set, recovery); a longer one is answered from the view's evidence and
@@ -388,8 +393,9 @@ pub(crate) trait LogTx: Send {
         session_id: Uuid,
         tenant: &str,
     ) -> impl Future<Output = Result<()>> + Send;
-    /// Events of a session with `seq > after`, at most `limit`, in seq
-    /// order, each with its stored chain hash.
+    /// Events of a session with `seq > after`, at most `limit` and
+    /// [`PAGE_BYTES`] of payloads (at least one), in seq order, each with
+    /// its stored chain hash.
     fn chained_page(
         &mut self,
         session_id: Uuid,
@@ -1083,13 +1089,16 @@ impl Store {
     }
 
     /// One page of the global feed: events of every session with
-    /// `position > after`, in position order. Paging by position never
-    /// skips an event that commits later (docs/design.md, "Global order").
+    /// `position > after`, in position order, at most `limit`, and none
+    /// after the one that brings the page's payloads to [`PAGE_BYTES`] (a
+    /// page holds at least one event when there is one; a short page does
+    /// not mean the end). Paging by position never skips an event that
+    /// commits later (docs/design.md, "Global order").
     pub async fn feed(&self, after: i64, limit: i64) -> Result<Vec<StoredEvent>> {
         let limit = limit.clamp(0, 100_000);
         match &self.backend {
-            Backend::Sqlite(b) => b.feed(after, limit).await,
-            Backend::Postgres(b) => b.feed(after, limit).await,
+            Backend::Sqlite(b) => b.feed(after, limit, PAGE_BYTES).await,
+            Backend::Postgres(b) => b.feed(after, limit, PAGE_BYTES).await,
         }
     }
 
@@ -2430,12 +2439,12 @@ impl WindowRead {
 
 /// Decodes rows one at a time until their payloads reach `max_bytes` (the
 /// row that reaches it included) or the rows end: `history_within`.
-pub(crate) async fn take_within<R>(
+pub(crate) async fn take_within<R, T>(
     rows: &mut (impl tokio_stream::Stream<Item = std::result::Result<R, sqlx::Error>> + Unpin),
     max_bytes: usize,
     payload_len: impl Fn(&R) -> usize,
-    decode: impl Fn(R) -> Result<StoredEvent>,
-) -> Result<Vec<StoredEvent>> {
+    decode: impl Fn(R) -> Result<T>,
+) -> Result<Vec<T>> {
     use tokio_stream::StreamExt;
     let mut page = Vec::new();
     let mut bytes = 0;

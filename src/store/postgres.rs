@@ -58,22 +58,42 @@ type CallJson = (Uuid, String, String, i64, Option<i64>);
 
 const COLUMNS: &str = "position, session_id, seq, event_id, payload, recorded_at";
 
-/// A page of one session's events: `$2 < seq <= $3`, at most `$4`, and
-/// none after the one whose payload brings the page to `$5` bytes. The
-/// byte bound is the server's to keep: a page the client stopped reading
-/// still came over the wire whole (sqlx reads a result to its end before
-/// the connection's next statement), so folds of 100 KB events moved 8
-/// times their bytes. `octet_length` of a compressed or out-of-line
-/// payload reads its header, not the value; rows past the bound are
-/// neither decompressed nor sent.
-const PAGE_WITHIN: &str = "\
-SELECT position, session_id, seq, event_id, payload, recorded_at FROM (\
-  SELECT position, session_id, seq, event_id, payload, recorded_at, \
-         SUM(octet_length(payload)) OVER (ORDER BY seq ROWS UNBOUNDED PRECEDING) \
-           - octet_length(payload) AS before \
-    FROM events WHERE session_id = $1 AND seq > $2 AND seq <= $3 \
-    ORDER BY seq LIMIT $4) page \
-  WHERE before < $5 ORDER BY seq";
+/// The rows of `events` matching `filter`, in `order`, at most `$N`
+/// (`limit`), and none after the one whose payload brings the page to
+/// `$M` (`bytes`) bytes: every paged read of events. The byte bound is the
+/// server's to keep: a page the client stopped reading still came over
+/// the wire whole (sqlx reads a result to its end before the
+/// connection's next statement), so folds of 100 KB events moved 8 times
+/// their bytes. `octet_length` of a compressed or out-of-line payload
+/// reads its header, not the value; rows past the bound are neither
+/// decompressed nor sent.
+fn bounded_page(columns: &str, filter: &str, order: &str, limit: &str, bytes: &str) -> String {
+    format!(
+        "SELECT {columns} FROM (\
+           SELECT {columns}, \
+                  SUM(octet_length(payload)) OVER (ORDER BY {order} ROWS UNBOUNDED PRECEDING) \
+                    - octet_length(payload) AS before \
+             FROM events WHERE {filter} ORDER BY {order} LIMIT {limit}) page \
+         WHERE before < {bytes} ORDER BY {order}"
+    )
+}
+
+/// A page of one session's events: `$2 < seq <= $3`, at most `$4` and
+/// `$5` bytes of payloads ([`bounded_page`]).
+fn session_page() -> String {
+    bounded_page(
+        COLUMNS,
+        "session_id = $1 AND seq > $2 AND seq <= $3",
+        "seq",
+        "$4",
+        "$5",
+    )
+}
+
+/// A byte count as the statements bind it.
+fn byte_bound(max_bytes: usize) -> i64 {
+    i64::try_from(max_bytes).unwrap_or(i64::MAX)
+}
 
 /// The server's `lock_timeout` below: how long a write waits for the
 /// position counter behind other writers before the server refuses it.
@@ -381,12 +401,13 @@ impl PgBackend {
         limit: i64,
         max_bytes: usize,
     ) -> Result<Vec<StoredEvent>> {
-        let mut rows = sqlx::query_as::<_, Row>(PAGE_WITHIN)
+        let sql = session_page();
+        let mut rows = sqlx::query_as::<_, Row>(&sql)
             .bind(session_id)
             .bind(after)
             .bind(i64::MAX)
             .bind(limit)
-            .bind(i64::try_from(max_bytes).unwrap_or(i64::MAX))
+            .bind(byte_bound(max_bytes))
             .fetch(&self.pool);
         within(
             self.read_deadline,
@@ -461,18 +482,25 @@ impl PgBackend {
         Ok(read)
     }
 
-    pub(crate) async fn feed(&self, after: i64, limit: i64) -> Result<Vec<StoredEvent>> {
-        let rows: Vec<Row> = trip(
-            self.read_deadline,
-            sqlx::query_as(&format!(
-                "SELECT {COLUMNS} FROM events WHERE position > $1 ORDER BY position LIMIT $2"
-            ))
+    /// Up to `limit` events of every session after `position`, and none
+    /// after the one that brings the payloads to `max_bytes`.
+    pub(crate) async fn feed(
+        &self,
+        after: i64,
+        limit: i64,
+        max_bytes: usize,
+    ) -> Result<Vec<StoredEvent>> {
+        let sql = bounded_page(COLUMNS, "position > $1", "position", "$2", "$3");
+        let mut rows = sqlx::query_as::<_, Row>(&sql)
             .bind(after)
             .bind(limit)
-            .fetch_all(&self.pool),
+            .bind(byte_bound(max_bytes))
+            .fetch(&self.pool);
+        within(
+            self.read_deadline,
+            super::take_within(&mut rows, max_bytes, |r: &Row| r.4.len(), decode),
         )
-        .await?;
-        rows.into_iter().map(decode).collect()
+        .await
     }
 
     /// A pool of one connection for one listener (see `connect`); it
@@ -1127,12 +1155,13 @@ impl LogTx for PgTx {
     ) -> Result<Vec<StoredEvent>> {
         self.flush_for(session_id).await?;
         let deadline = self.deadline;
-        let mut rows = sqlx::query_as::<_, Row>(PAGE_WITHIN)
+        let sql = session_page();
+        let mut rows = sqlx::query_as::<_, Row>(&sql)
             .bind(session_id)
             .bind(after)
             .bind(upto)
             .bind(i64::MAX)
-            .bind(i64::try_from(max_bytes).unwrap_or(i64::MAX))
+            .bind(byte_bound(max_bytes))
             .fetch(self.conn()?);
         within(
             deadline,
@@ -1393,17 +1422,30 @@ impl LogTx for PgTx {
         limit: i64,
     ) -> Result<Vec<(StoredEvent, Option<String>)>> {
         self.flush_for(session_id).await?;
-        let rows: Vec<HashedRow> =
-            trip(self.deadline, sqlx::query_as(&format!(
-                "SELECT {COLUMNS}, hash FROM events WHERE session_id = $1 AND seq > $2 ORDER BY seq LIMIT $3"
-            ))
+        let sql = bounded_page(
+            &format!("{COLUMNS}, hash"),
+            "session_id = $1 AND seq > $2",
+            "seq",
+            "$3",
+            "$4",
+        );
+        let deadline = self.deadline;
+        let mut rows = sqlx::query_as::<_, HashedRow>(&sql)
             .bind(session_id)
             .bind(after)
             .bind(limit)
-            .fetch_all(self.conn()?)).await?;
-        rows.into_iter()
-            .map(|(p, s, q, e, pl, t, h)| Ok((decode((p, s, q, e, pl, t))?, h)))
-            .collect()
+            .bind(byte_bound(super::PAGE_BYTES))
+            .fetch(self.conn()?);
+        within(
+            deadline,
+            super::take_within(
+                &mut rows,
+                super::PAGE_BYTES,
+                |r: &HashedRow| r.4.len(),
+                |(p, s, q, e, pl, t, h)| Ok((decode((p, s, q, e, pl, t))?, h)),
+            ),
+        )
+        .await
     }
 
     async fn set_hash(&mut self, position: i64, hash: &str) -> Result<()> {

@@ -657,16 +657,21 @@ impl SqliteBackend {
             .map_err(Error::from_sqlx)
     }
 
-    pub(crate) async fn feed(&self, after: i64, limit: i64) -> Result<Vec<StoredEvent>> {
-        let rows: Vec<Row> = sqlx::query_as(&format!(
-            "SELECT {COLUMNS} FROM events WHERE position > ? ORDER BY position LIMIT ?"
-        ))
-        .bind(after)
-        .bind(limit)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(Error::from_sqlx)?;
-        rows.into_iter().map(decode).collect()
+    /// Up to `limit` events of every session after `position`, stopping
+    /// after the one that brings the payloads read to `max_bytes`.
+    pub(crate) async fn feed(
+        &self,
+        after: i64,
+        limit: i64,
+        max_bytes: usize,
+    ) -> Result<Vec<StoredEvent>> {
+        let sql =
+            format!("SELECT {COLUMNS} FROM events WHERE position > ? ORDER BY position LIMIT ?");
+        let mut rows = sqlx::query_as::<_, Row>(&sql)
+            .bind(after)
+            .bind(limit)
+            .fetch(&self.pool);
+        super::take_within(&mut rows, max_bytes, |r: &Row| r.4.len(), decode).await
     }
 
     /// Runs an audit query that selects event rows (src/store/query.rs).
@@ -1509,19 +1514,21 @@ impl LogTx for SqliteTx {
         after: i64,
         limit: i64,
     ) -> Result<Vec<(StoredEvent, Option<String>)>> {
-        let rows: Vec<HashedRow> =
-            sqlx::query_as(&format!(
-                "SELECT {COLUMNS}, hash FROM events WHERE session_id = ? AND seq > ? ORDER BY seq LIMIT ?"
-            ))
+        let sql = format!(
+            "SELECT {COLUMNS}, hash FROM events WHERE session_id = ? AND seq > ? ORDER BY seq LIMIT ?"
+        );
+        let mut rows = sqlx::query_as::<_, HashedRow>(&sql)
             .bind(session_id.to_string())
             .bind(after)
             .bind(limit)
-            .fetch_all(self.conn().await?)
-            .await
-            .map_err(Error::from_sqlx)?;
-        rows.into_iter()
-            .map(|(p, s, q, e, pl, t, h)| Ok((decode((p, s, q, e, pl, t))?, h)))
-            .collect()
+            .fetch(self.conn().await?);
+        super::take_within(
+            &mut rows,
+            super::PAGE_BYTES,
+            |r: &HashedRow| r.4.len(),
+            |(p, s, q, e, pl, t, h)| Ok((decode((p, s, q, e, pl, t))?, h)),
+        )
+        .await
     }
 
     async fn set_hash(&mut self, position: i64, hash: &str) -> Result<()> {
