@@ -299,6 +299,23 @@ fn activation_changes_are_verified_rebuilt_and_backfilled() {
         assert!(run(url, &["rebuild", S]).status.success());
         assert_eq!(changes(url), before, "{backend}");
 
+        // A row that differs only in a field the sentence would not show
+        // otherwise: the field is named.
+        common::raw_sql(
+            url,
+            "UPDATE activation_changes SET evidence_seq = evidence_seq + 1 \
+             WHERE evidence_seq IS NOT NULL",
+        );
+        let o = run(url, &["verify", S]);
+        assert_eq!(o.status.code(), Some(5), "{backend}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            err.contains("has `evidence_seq` ") && err.contains(" in the index but "),
+            "{backend}: {err}"
+        );
+        assert!(run(url, &["rebuild", S]).status.success());
+        assert_eq!(changes(url), before, "{backend}");
+
         // A store from before migration 0005: no rows, listed for backfill;
         // the next open computes them.
         common::raw_sql(url, "DELETE FROM activation_changes");

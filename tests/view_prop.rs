@@ -515,6 +515,9 @@ async fn large_events(url: &str) {
         .await
         .unwrap();
     ends_at_the_bound(&page, "history");
+    // However small the bound, a page holds an event when there is one.
+    let one = store.history_within(session, 0, 10, 0).await.unwrap();
+    assert_eq!(one.len(), 1);
     let feed = store.feed(0, 1_000).await.unwrap();
     ends_at_the_bound(&feed, "feed");
     // Pages of any size add up to the whole log, in order.

@@ -2244,11 +2244,27 @@ async fn verify_in<T: LogTx>(mut tx: T, session_id: Uuid) -> Result<Option<Strin
             .zip(stored_changes.iter())
             .position(|(e, s)| e != s)
             .unwrap_or(expected_changes.len().min(stored_changes.len()));
-        let shown = |rows: &[ChangeRow]| {
-            rows.get(first)
-                .map(|c| format!("{} {} at seq {}", c.change, c.tool, c.seq))
-                .unwrap_or_else(|| "nothing".to_owned())
-        };
+        let said = |c: &ChangeRow| format!("{} {} at seq {}", c.change, c.tool, c.seq);
+        let shown = |rows: &[ChangeRow]| rows.get(first).map_or("nothing".to_owned(), said);
+        // The same change, seq and tool on both sides: the field that
+        // differs is named, or the sentence would say the same thing twice.
+        if let (Some(s), Some(e)) = (stored_changes.get(first), expected_changes.get(first)) {
+            use serde_json::json;
+            let fields = [
+                ("evidence_seq", json!(s.evidence_seq), json!(e.evidence_seq)),
+                ("position", json!(s.position), json!(e.position)),
+                ("recorded_at", json!(s.recorded_at), json!(e.recorded_at)),
+                ("session_id", json!(s.session_id), json!(e.session_id)),
+            ];
+            let other = fields.into_iter().find(|(_, a, b)| a != b);
+            if let (true, Some((field, a, b))) = (said(s) == said(e), other) {
+                return Ok(Some(format!(
+                    "session {session_id}: the activation changes differ from the log: change {} ({}) has `{field}` {a} in the index but {b} from the log",
+                    first + 1,
+                    said(e)
+                )));
+            }
+        }
         return Ok(Some(format!(
             "session {session_id}: the activation changes differ from the log: change {} is {} in the index but {} from the log",
             first + 1,

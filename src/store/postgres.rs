@@ -74,20 +74,20 @@ fn bounded_page(columns: &str, filter: &str, order: &str, limit: &str, bytes: &s
                   SUM(octet_length(payload)) OVER (ORDER BY {order} ROWS UNBOUNDED PRECEDING) \
                     - octet_length(payload) AS before \
              FROM events WHERE {filter} ORDER BY {order} LIMIT {limit}) page \
-         WHERE before < {bytes} ORDER BY {order}"
+         WHERE before < GREATEST({bytes}, 1) ORDER BY {order}"
     )
 }
 
-/// A page of one session's events: `$2 < seq <= $3`, at most `$4` and
-/// `$5` bytes of payloads ([`bounded_page`]).
-fn session_page() -> String {
-    bounded_page(
-        COLUMNS,
-        "session_id = $1 AND seq > $2 AND seq <= $3",
-        "seq",
-        "$4",
-        "$5",
-    )
+/// A page of one session's events: `$2 < seq <= $3`, at most `$4`, and
+/// when `bounded`, at most `$5` bytes of payloads ([`bounded_page`]).
+/// Unbounded reads (`history`, a whole window) keep the plain statement:
+/// the running sum tripled the server's time for a page of small events.
+fn session_page(bounded: bool) -> String {
+    let filter = "session_id = $1 AND seq > $2 AND seq <= $3";
+    match bounded {
+        true => bounded_page(COLUMNS, filter, "seq", "$4", "$5"),
+        false => format!("SELECT {COLUMNS} FROM events WHERE {filter} ORDER BY seq LIMIT $4"),
+    }
 }
 
 /// A byte count as the statements bind it.
@@ -401,14 +401,17 @@ impl PgBackend {
         limit: i64,
         max_bytes: usize,
     ) -> Result<Vec<StoredEvent>> {
-        let sql = session_page();
-        let mut rows = sqlx::query_as::<_, Row>(&sql)
+        let bounded = max_bytes != usize::MAX;
+        let sql = session_page(bounded);
+        let mut query = sqlx::query_as::<_, Row>(&sql)
             .bind(session_id)
             .bind(after)
             .bind(i64::MAX)
-            .bind(limit)
-            .bind(byte_bound(max_bytes))
-            .fetch(&self.pool);
+            .bind(limit);
+        if bounded {
+            query = query.bind(byte_bound(max_bytes));
+        }
+        let mut rows = query.fetch(&self.pool);
         within(
             self.read_deadline,
             super::take_within(&mut rows, max_bytes, |r: &Row| r.4.len(), decode),
@@ -1155,14 +1158,17 @@ impl LogTx for PgTx {
     ) -> Result<Vec<StoredEvent>> {
         self.flush_for(session_id).await?;
         let deadline = self.deadline;
-        let sql = session_page();
-        let mut rows = sqlx::query_as::<_, Row>(&sql)
+        let bounded = max_bytes != usize::MAX;
+        let sql = session_page(bounded);
+        let mut query = sqlx::query_as::<_, Row>(&sql)
             .bind(session_id)
             .bind(after)
             .bind(upto)
-            .bind(i64::MAX)
-            .bind(byte_bound(max_bytes))
-            .fetch(self.conn()?);
+            .bind(i64::MAX);
+        if bounded {
+            query = query.bind(byte_bound(max_bytes));
+        }
+        let mut rows = query.fetch(self.conn()?);
         within(
             deadline,
             super::take_within(&mut rows, max_bytes, |r: &Row| r.4.len(), decode),
