@@ -2424,6 +2424,16 @@ impl WindowRead {
         self.max_window
     }
 
+    /// Whether the window's payloads count toward the bound.
+    pub(crate) fn window_too(&self) -> bool {
+        self.window_too
+    }
+
+    /// The bound, in bytes of payloads.
+    pub(crate) fn max_bytes(&self) -> usize {
+        self.max_bytes
+    }
+
     /// Counts the next event row, at `seq` with a payload of `len` bytes;
     /// false once the page is cut there (keep this row, read no more).
     /// The backend keeps the rows and decodes them after the statement

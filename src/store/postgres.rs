@@ -432,7 +432,11 @@ impl PgBackend {
     ) -> Result<super::WindowRead> {
         use tokio_stream::StreamExt;
         // The view as JSON in a row of its own (the last column set), then
-        // the events, each part from the same snapshot.
+        // the events, each part from the same snapshot. The server leaves
+        // out the events past the byte bound ([`bounded_page`]'s running
+        // sum, of the events after the view, or of all of them when the
+        // window's count too), so a cut read does not carry the rest over
+        // the wire.
         let max_window = read.max_window();
         let mut rows = sqlx::query_as::<_, ViewOrEvent>(
             "SELECT 0::BIGINT, v.session_id, 0::BIGINT, v.session_id, '', now(), \
@@ -442,18 +446,25 @@ impl PgBackend {
                  UNION ALL \
                  SELECT e.position, e.session_id, e.seq, e.event_id, e.payload, e.recorded_at, NULL \
                    FROM session_views v CROSS JOIN LATERAL \
-                     (SELECT position, session_id, seq, event_id, payload, recorded_at FROM events \
+                     (SELECT position, session_id, seq, event_id, payload, recorded_at, \
+                             COALESCE(SUM(CASE WHEN $4 OR seq > v.refresh_seq \
+                                               THEN octet_length(payload) ELSE 0 END) \
+                               OVER (ORDER BY seq ROWS BETWEEN UNBOUNDED PRECEDING \
+                                                       AND 1 PRECEDING), 0) AS before \
+                        FROM events \
                       WHERE session_id = $1 \
                         AND seq >= CASE WHEN v.refresh_seq - v.window_start + 1 > $3 \
                                         THEN v.refresh_seq + 1 ELSE v.window_start END \
                       ORDER BY seq \
                       LIMIT CASE WHEN v.refresh_seq - v.window_start + 1 > $3 THEN $2 \
                                  ELSE GREATEST(0, v.refresh_seq - v.window_start + 1 + $2) END) AS e \
-                   WHERE v.session_id = $1"
+                   WHERE v.session_id = $1 AND e.before < GREATEST($5, 1)"
         )
         .bind(session_id)
         .bind(after)
         .bind(max_window)
+        .bind(read.window_too())
+        .bind(byte_bound(read.max_bytes()))
         .fetch(&self.pool);
         let mut events = Vec::new();
         within(self.read_deadline, async {
