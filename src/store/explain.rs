@@ -116,11 +116,7 @@ impl Store {
             )
             .await?;
         let after = first.last().map_or(state.window_start - 1, |e| e.seq);
-        let first: Vec<ContextRow> = first
-            .into_iter()
-            .filter(|e| e.body.is_row())
-            .map(ContextRow::from)
-            .collect();
+        let first = context_rows(first);
         if after >= state.seq && window <= self.options.rowless_window {
             head.rows = first;
             return Ok((head, None));
@@ -246,11 +242,14 @@ impl ContextPages {
         if let Some(first) = self.first.take() {
             return Ok(Some(first));
         }
-        Ok(self.events.next_page(store).await?.map(|page| {
-            page.into_iter()
-                .filter(|e| e.body.is_row())
-                .map(ContextRow::from)
-                .collect()
-        }))
+        Ok(self.events.next_page(store).await?.map(context_rows))
     }
+}
+
+/// The transcript rows among a page of events, as a context shows them.
+fn context_rows(page: Vec<StoredEvent>) -> Vec<ContextRow> {
+    page.into_iter()
+        .filter(|e| e.body.is_row())
+        .map(ContextRow::from)
+        .collect()
 }

@@ -1267,21 +1267,19 @@ impl Store {
     /// release costs another), the events from its window's start on (the
     /// window and a page more), or only a page of those after the view when
     /// the window is longer than `max_window`. `None` without a view.
-    /// The events after the view stop at [`FOLD_PAGE_BYTES`] of payloads
-    /// ([`WindowRead`]); the flag says the page was cut there.
+    /// The events stop at [`StoreOptions::window_read_bytes`] of payloads
+    /// ([`WindowRead`]: those after the view, and for an answer without
+    /// rows the window's too); the flag says the page was cut there.
     async fn view_and_window(
         &self,
         session_id: Uuid,
         needs: Needs,
     ) -> Result<Option<(View, Vec<StoredEvent>, bool)>> {
-        let read = match needs {
-            Needs::Rows => WindowRead::new(i64::MAX, false, self.options.window_read_bytes),
-            Needs::Evidence => WindowRead::new(
-                self.options.rowless_window,
-                true,
-                self.options.window_read_bytes,
-            ),
-        };
+        let read = WindowRead::new(
+            self.max_window(needs),
+            needs == Needs::Evidence,
+            self.options.window_read_bytes,
+        );
         let read = match &self.backend {
             Backend::Sqlite(b) => b.view_and_window(session_id, FOLD_PAGE, read).await?,
             Backend::Postgres(b) => b.view_and_window(session_id, FOLD_PAGE, read).await?,
@@ -1356,10 +1354,7 @@ impl Store {
             let head = self.head_seq(session_id).await?;
             return Ok((head == cached.seq).then_some(Latest::Full(cached)));
         }
-        let max_window = match needs {
-            Needs::Rows => i64::MAX,
-            Needs::Evidence => self.options.rowless_window,
-        };
+        let max_window = self.max_window(needs);
         let Some((view, events, cut)) = self.view_and_window(session_id, needs).await? else {
             return Ok(None);
         };
@@ -1404,6 +1399,15 @@ impl Store {
             state.apply(e);
         }
         Ok(Some(Latest::Full(state)))
+    }
+
+    /// The longest window a latest-state read of `needs` reads: any for
+    /// rows, [`StoreOptions::rowless_window`] without them.
+    fn max_window(&self, needs: Needs) -> i64 {
+        match needs {
+            Needs::Rows => i64::MAX,
+            Needs::Evidence => self.options.rowless_window,
+        }
     }
 
     /// The effective context (§5) as of `at_seq` or the latest event.
