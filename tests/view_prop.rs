@@ -23,6 +23,9 @@ async fn check_log(url: &str, seed: u64, len: usize) -> Result<(), TestCaseError
     let session = Uuid::new_v4();
     let events = valid_log(seed, session, len);
     let writer = Store::open(url).await.unwrap();
+    // A reader that stays open, answering from the view alone: it keeps
+    // its rowless state and applies each batch's events to it.
+    let kept = rowless_store(url).await;
     let mut rng = Rng::new(seed ^ 0xabcdef);
     let mut done = 0;
     while done < events.len() {
@@ -66,6 +69,11 @@ async fn check_log(url: &str, seed: u64, len: usize) -> Result<(), TestCaseError
         );
         prop_assert_eq!(&rowless.recover(session).await.unwrap(), &r);
         rowless.close().await;
+        prop_assert_eq!(
+            kept.activations(session, None).await.unwrap(),
+            expected.activations()
+        );
+        prop_assert_eq!(&kept.recover(session).await.unwrap(), &r);
         // One whose cold read stops after the first event's bytes (as for
         // events of megabytes after the last prompt): the activation set
         // and recovery go on page by page, the context through the
@@ -119,6 +127,7 @@ async fn check_log(url: &str, seed: u64, len: usize) -> Result<(), TestCaseError
         }
     }
     paged.close().await;
+    kept.close().await;
     // Rebuilding changes nothing that verify can see.
     writer.rebuild(session).await.unwrap();
     prop_assert_eq!(writer.verify(session).await.unwrap(), None);
