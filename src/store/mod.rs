@@ -1185,18 +1185,10 @@ impl Store {
     /// view again (0.63 s at 10^5 events after the only prompt,
     /// docs/benchmarks.md item 26).
     pub(crate) async fn latest_without_rows(&self, session_id: Uuid) -> Result<SessionState> {
-        if let Some(mut state) = self.rowless.get(session_id) {
-            loop {
-                let page = self
-                    .history_within(session_id, state.seq, FOLD_PAGE, FOLD_PAGE_BYTES)
-                    .await?;
-                if page.is_empty() {
-                    break;
-                }
-                for e in page {
-                    self.apply_to_rowless(&mut state, e).await?;
-                }
-            }
+        if let Some(cached) = self.rowless.get(session_id) {
+            let state = self
+                .rowless_follow(cached, Vec::new(), true, i64::MAX)
+                .await?;
             self.rowless.put_read(state.clone());
             return Ok(state);
         }
@@ -1215,9 +1207,8 @@ impl Store {
 
     /// The rowless state of a view ([`SessionState::from_view_without_rows`])
     /// with the events after it up to `upto` applied: `first`, a first page
-    /// of them as the view's read gave it, then the log's next pages. The
-    /// later pages may hold events appended since that read: the log is
-    /// append-only, so the state is still the fold of a prefix of it.
+    /// of them as the view's read gave it (`first_cut`: stopped at its
+    /// bytes), then the log's next pages ([`Store::rowless_follow`]).
     async fn rowless_from(
         &self,
         view: &View,
@@ -1232,11 +1223,27 @@ impl Store {
                 view.refresh_seq, first[0].seq
             )));
         }
-        let mut state = SessionState::from_view_without_rows(view);
+        let state = SessionState::from_view_without_rows(view);
         // The first page is all there was unless it is full or was cut at
-        // its bytes; a later one may be short for its bytes, so only an
-        // empty one ends.
-        let mut more = first_cut || first.len() as i64 >= FOLD_PAGE;
+        // its bytes.
+        let more = first_cut || first.len() as i64 >= FOLD_PAGE;
+        self.rowless_follow(state, first, more, upto).await
+    }
+
+    /// Applies to a rowless `state` the events after it up to `upto`:
+    /// `first`, a page already read, then, while `more`, the log's next
+    /// pages (a page may be short for its bytes, so only an empty one
+    /// ends). The pages may hold events appended since the caller's read:
+    /// the log is append-only, so the state is still the fold of a prefix
+    /// of it.
+    async fn rowless_follow(
+        &self,
+        mut state: SessionState,
+        first: Vec<StoredEvent>,
+        mut more: bool,
+        upto: i64,
+    ) -> Result<SessionState> {
+        let session_id = state.session_id;
         let mut page = first;
         loop {
             for e in page {
