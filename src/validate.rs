@@ -1,6 +1,8 @@
 //! The rules of SEMANTICS §3–§4, pure: an event is judged against the
 //! session as it stands ([`SessionState`]) before it is applied.
 
+use std::collections::HashMap;
+
 use chrono::{DateTime, Datelike, Utc};
 
 use crate::error::{quoted, Rule, ValidationError};
@@ -272,11 +274,33 @@ pub fn check_event(state: &SessionState, body: &EventBody) -> Result<(), Validat
                     format!("`first_kept_event_id` {id} is not a transcript row of the effective context"),
                 ));
             };
-            let first_seq = state.rows[start].seq;
+            // §4: a compaction may not keep a result whose call *it*
+            // summarizes, that is a call among the effective rows before
+            // the first kept one. A result whose call an earlier compaction
+            // summarized is already apart from it and may stay; naming a
+            // result as the first kept row always splits it (§4).
+            let first = &state.rows[start];
+            if let EventBody::ToolResult { call_id, .. } = &first.body {
+                return Err(ValidationError::new(
+                    Rule::CompactionSplitsCall,
+                    Some("first_kept_event_id"),
+                    format!(
+                        "`first_kept_event_id` names the result at seq {} of the call {}: a compaction that keeps from a result always splits it from its call",
+                        first.seq,
+                        quoted(call_id)
+                    ),
+                ));
+            }
+            let summarized: HashMap<&str, i64> = state.rows[..start]
+                .iter()
+                .filter_map(|r| match &r.body {
+                    EventBody::ToolCall { call_id, .. } => Some((call_id.as_str(), r.seq)),
+                    _ => None,
+                })
+                .collect();
             for row in &state.rows[start..] {
                 if let EventBody::ToolResult { call_id, .. } = &row.body {
-                    let call_seq = state.calls.get(call_id).map(|c| c.seq).unwrap_or(0);
-                    if call_seq < first_seq {
+                    if let Some(call_seq) = summarized.get(call_id.as_str()) {
                         return Err(ValidationError::new(
                             Rule::CompactionSplitsCall,
                             Some("first_kept_event_id"),

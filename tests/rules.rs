@@ -741,6 +741,34 @@ fn compaction_whose_first_kept_event_id_names_a_tool_result_is_rejected() {
     assert_rule(&e, Rule::CompactionSplitsCall, Some("first_kept_event_id"));
 }
 
+#[test]
+fn compaction_keeping_a_result_whose_call_an_earlier_compaction_summarized_is_accepted() {
+    // §4 refuses keeping a result whose call *this* compaction summarizes.
+    // Here the call left the context with the first compaction; the second
+    // one summarizes only rows after it and splits nothing.
+    let mut log = Log::start("agent");
+    log.push(catalog("agent", &["web_fetch"]));
+    log.push(call("c1", "ToolSearch"));
+    log.push(compaction("a search is running", None));
+    let p = log.push(prompt("go on"));
+    let r = log.push(result("c1", "ToolSearch", "success", &["web_fetch"]));
+    log.push(compaction("found web_fetch", Some(p)));
+    assert_eq!(row_seqs(&log.state()), vec![5, 6]);
+    assert_eq!(log.active(), act(&[("web_fetch", 6)]));
+    // Naming that result itself is still refused (§4: "always does").
+    let e = log.reject(compaction("s", Some(r)));
+    assert_rule(&e, Rule::CompactionSplitsCall, Some("first_kept_event_id"));
+    assert!(e.to_string().contains("names the result at seq 6"), "{e}");
+    // A call in the window before the kept rows is still summarized.
+    let c2 = log.push(call("c2", "Read"));
+    let q = log.push(prompt("and then"));
+    log.push(result("c2", "Read", "success", &[]));
+    let e = log.reject(compaction("s", Some(q)));
+    assert_rule(&e, Rule::CompactionSplitsCall, Some("first_kept_event_id"));
+    assert!(e.to_string().contains("\"c2\" at seq 8"), "{e}");
+    log.push(compaction("kept c2 whole", Some(c2)));
+}
+
 // ---------------------------------------------------------------------------
 // §3: tool names, modes, call ids
 // ---------------------------------------------------------------------------
