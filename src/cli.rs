@@ -108,7 +108,7 @@ pub enum Command {
         session: String,
         /// Answer as of this seq instead of the latest.
         #[arg(long, allow_negative_numbers = true, value_parser = parse_at_seq)]
-        at_seq: Option<i64>,
+        at_seq: Option<AtSeq>,
         /// Print the §9 JSON object.
         #[arg(long)]
         json: bool,
@@ -119,7 +119,7 @@ pub enum Command {
         session: String,
         /// Answer as of this seq instead of the latest.
         #[arg(long, allow_negative_numbers = true, value_parser = parse_at_seq)]
-        at_seq: Option<i64>,
+        at_seq: Option<AtSeq>,
         /// Print the §9 JSON object.
         #[arg(long)]
         json: bool,
@@ -167,7 +167,7 @@ pub enum Command {
         tool: String,
         /// Answer as of this seq instead of the latest.
         #[arg(long, conflicts_with = "at_prompt", allow_negative_numbers = true, value_parser = parse_at_seq)]
-        at_seq: Option<i64>,
+        at_seq: Option<AtSeq>,
         /// Answer for the request of the K-th prompt (1-based).
         #[arg(long, allow_negative_numbers = true)]
         at_prompt: Option<i64>,
@@ -509,17 +509,57 @@ fn store_exit_code(e: &Error) -> i32 {
 /// `--at-seq`: any whole number. One outside the session's seqs, however
 /// far (negative, or past `i64`), is the store's "not a seq of this
 /// session" (exit 1, SEMANTICS §9), not a usage error; past `i64` it is
-/// read as the farthest `i64`, which no session reaches.
-fn parse_at_seq(s: &str) -> Result<i64, String> {
+/// asked as the farthest `i64`, which no session reaches, and the answer
+/// names the number as typed ([`AtSeq::answer`]).
+#[derive(Clone, Debug)]
+pub struct AtSeq {
+    seq: i64,
+    /// The digits typed, when they are past `i64`.
+    typed: Option<String>,
+}
+
+impl AtSeq {
+    /// The store's answer at this seq, an out-of-range error naming the
+    /// number the user typed rather than the `i64` it was read as.
+    fn answer<T>(&self, r: Result<T, Error>) -> Result<T, CliError> {
+        match (r, &self.typed) {
+            (
+                Err(Error::SeqOutOfRange {
+                    session_id, latest, ..
+                }),
+                Some(typed),
+            ) => Err(CliError::Input(format!(
+                "seq {typed} is out of range for session {session_id}, whose events are 1 to {latest}"
+            ))),
+            (r, _) => Ok(r?),
+        }
+    }
+}
+
+/// The store's answer at `at` (a `--at-seq` or none).
+fn at_answer<T>(at: Option<&AtSeq>, r: Result<T, Error>) -> Result<T, CliError> {
+    match at {
+        Some(at) => at.answer(r),
+        None => Ok(r?),
+    }
+}
+
+fn parse_at_seq(s: &str) -> Result<AtSeq, String> {
     let digits = s.strip_prefix('-').unwrap_or(s);
     if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return Err(format!("{s:?} is not a whole number"));
     }
-    Ok(s.parse::<i64>().unwrap_or(if s.starts_with('-') {
-        i64::MIN
-    } else {
-        i64::MAX
-    }))
+    Ok(match s.parse::<i64>() {
+        Ok(seq) => AtSeq { seq, typed: None },
+        Err(_) => AtSeq {
+            seq: if s.starts_with('-') {
+                i64::MIN
+            } else {
+                i64::MAX
+            },
+            typed: Some(s.to_owned()),
+        },
+    })
 }
 
 fn parse_session(s: &str) -> Result<Uuid, CliError> {
@@ -891,7 +931,12 @@ async fn run_on(
             let session = parse_session(&session)?;
             // A long window is written as its rows are read, a page at a
             // time.
-            let (ctx, pages) = store.context_paged(session, at_seq).await?;
+            let (ctx, pages) = at_answer(
+                at_seq.as_ref(),
+                store
+                    .context_paged(session, at_seq.as_ref().map(|a| a.seq))
+                    .await,
+            )?;
             match pages {
                 Some(pages) => print_context_paged(store, &ctx, pages, json, out).await?,
                 None if json => print_json(out, &ctx)?,
@@ -903,7 +948,13 @@ async fn run_on(
             at_seq,
             json,
         } => {
-            let act = store.activations(parse_session(&session)?, at_seq).await?;
+            let session = parse_session(&session)?;
+            let act = at_answer(
+                at_seq.as_ref(),
+                store
+                    .activations(session, at_seq.as_ref().map(|a| a.seq))
+                    .await,
+            )?;
             if json {
                 print_json(out, &act)?;
             } else {
@@ -956,12 +1007,13 @@ async fn run_on(
             if tool.is_empty() {
                 return Err(CliError::Input("the tool name is empty".to_owned()));
             }
-            let at = match (at_seq, at_prompt) {
-                (Some(n), _) => At::Seq(n),
+            let at = match (&at_seq, at_prompt) {
+                (Some(n), _) => At::Seq(n.seq),
                 (None, Some(k)) => At::Prompt(k),
                 (None, None) => At::Latest,
             };
-            let x = store.explain(parse_session(&session)?, &tool, at).await?;
+            let session = parse_session(&session)?;
+            let x = at_answer(at_seq.as_ref(), store.explain(session, &tool, at).await)?;
             if json {
                 print_json(out, &x)?;
             } else {

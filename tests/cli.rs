@@ -455,14 +455,26 @@ fn not_found_out_of_range_and_usage_have_their_exit_codes() {
             "99999999999999999999",
             "-99999999999999999999",
         ] {
-            let out = run(&db.url, &["context", S, "--at-seq", at, "--json"], None);
-            assert_eq!(
-                out.status.code(),
-                Some(1),
-                "{backend} {at}: {}",
-                stderr(&out)
-            );
-            assert!(stderr(&out).contains("out of range"), "{}", stderr(&out));
+            for cmd in ["context", "activations", "explain"] {
+                let mut args = vec![cmd, S];
+                if cmd == "explain" {
+                    args.push("Read");
+                }
+                args.extend(["--at-seq", at, "--json"]);
+                let out = run(&db.url, &args, None);
+                assert_eq!(
+                    out.status.code(),
+                    Some(1),
+                    "{backend} {cmd} {at}: {}",
+                    stderr(&out)
+                );
+                // The number as typed, not the i64 it was read as.
+                assert!(
+                    stderr(&out).contains(&format!("seq {at} is out of range")),
+                    "{backend} {cmd}: {}",
+                    stderr(&out)
+                );
+            }
         }
         let out = run(&db.url, &["activations", S, "--at-seq", "five"], None);
         assert_eq!(out.status.code(), Some(2), "{backend}");
