@@ -855,10 +855,10 @@ async fn run_on(
             file,
             ..
         } => {
-            let lines = read_lines(input(file.as_ref())?)?;
-            let session = crate::pi::convert(&lines)?;
-            let summary = import_pi(store, &session, max_bytes).await?;
-            let dropped = match session.off_path {
+            let spool = PiSpool::copy(input(file.as_ref())?)?;
+            let tree = crate::pi::PiTree::read(spool.lines()?)?;
+            let summary = import_pi(store, &tree, &spool, max_bytes).await?;
+            let dropped = match tree.off_path() {
                 0 => String::new(),
                 1 => "; 1 pi entry on another branch dropped".to_owned(),
                 n => format!("; {n} pi entries on other branches dropped"),
@@ -867,7 +867,7 @@ async fn run_on(
                 out,
                 "imported {} into session {} ({} already stored{dropped})",
                 count(summary.written, "event"),
-                session.session_id,
+                tree.session_id(),
                 summary.replayed
             )
             .map_err(io)?;
@@ -1539,20 +1539,56 @@ fn is_blank(line: &[u8]) -> bool {
         .all(|b| matches!(b, b' ' | b'\t' | b'\r' | b'\n'))
 }
 
-fn read_lines(reader: Box<dyn BufRead>) -> Result<Vec<(usize, String)>, CliError> {
-    let mut lines = Vec::new();
-    for (i, line) in reader.lines().enumerate() {
-        let line = match line {
-            Ok(l) if i == 0 => Ok(l.strip_prefix('\u{feff}').map(str::to_owned).unwrap_or(l)),
-            other => other,
-        };
-        let line = line
-            .map_err(|e| CliError::Io(format!("cannot read line {} of the input: {e}", i + 1)))?;
-        if !is_blank(line.as_bytes()) {
-            lines.push((i + 1, line));
-        }
+/// A pi session file copied to a temporary file (in `TMPDIR`, removed when
+/// dropped), so that the import can read it more than once (its tree, then
+/// its path, docs/pi-import.md "Size") without holding it: standard input
+/// cannot be read twice, and a pi still writing the file would give the
+/// passes different lines.
+pub struct PiSpool {
+    file: tempfile::NamedTempFile,
+}
+
+impl PiSpool {
+    /// Copies `input` whole.
+    pub fn copy(mut input: Box<dyn BufRead + Send>) -> Result<PiSpool, CliError> {
+        let mut file = tempfile::NamedTempFile::new().map_err(|e| {
+            CliError::Io(format!(
+                "cannot create a temporary file to read the pi session file through: {e}"
+            ))
+        })?;
+        std::io::copy(&mut input, file.as_file_mut()).map_err(|e| {
+            CliError::Io(format!(
+                "cannot copy the pi session file to a temporary file ({}): {e}",
+                file.path().display()
+            ))
+        })?;
+        Ok(PiSpool { file })
     }
-    Ok(lines)
+
+    /// The file's non-blank lines, numbered from 1, from its start.
+    pub fn lines(
+        &self,
+    ) -> Result<impl Iterator<Item = Result<(usize, String), CliError>> + Send, CliError> {
+        let file = std::fs::File::open(self.file.path()).map_err(|e| {
+            CliError::Io(format!(
+                "cannot read the pi session file's copy {}: {e}",
+                self.file.path().display()
+            ))
+        })?;
+        let lines = std::io::BufReader::new(file).lines().enumerate();
+        Ok(lines.filter_map(|(i, line)| match line {
+            Err(e) => Some(Err(CliError::Io(format!(
+                "cannot read line {} of the input: {e}",
+                i + 1
+            )))),
+            Ok(l) if is_blank(l.as_bytes()) => None,
+            Ok(l) if i == 0 => Some(Ok((
+                1,
+                l.strip_prefix('\u{feff}').map(str::to_owned).unwrap_or(l),
+            ))),
+            Ok(l) => Some(Ok((i + 1, l))),
+        }))
+    }
 }
 
 /// The input's non-blank lines, read one at a time, so that `import`
@@ -1964,13 +2000,14 @@ async fn append_at_head(
     Ok(())
 }
 
-/// Imports a converted pi file as one atomic batch. A session that already
-/// holds a prefix of it (an earlier import of this file, or of a shorter
-/// version of it) gets only the rest; one that holds anything else is left
-/// alone with an error.
+/// Imports a pi file's path (its tree read from `spool`) all or nothing as
+/// far as the file goes. A session that already holds a prefix of it (an
+/// earlier import of this file, or of a shorter version of it) gets only
+/// the rest; one that holds anything else is left alone with an error.
 pub async fn import_pi(
     store: &Store,
-    session: &crate::pi::PiSession,
+    tree: &crate::pi::PiTree,
+    spool: &PiSpool,
     max_bytes: usize,
 ) -> Result<ImportSummary, CliError> {
     // Another import of the same file (or of a longer one) may append
@@ -1980,9 +2017,9 @@ pub async fn import_pi(
     let mut attempts = 0;
     loop {
         attempts += 1;
-        match import_pi_once(store, session, max_bytes).await {
+        match import_pi_once(store, tree, spool, max_bytes).await {
             Err(PiAttempt::Raced(_)) if attempts < 5 => {
-                tracing::debug!(session = %session.session_id, attempts, "pi import raced another writer; judged again");
+                tracing::debug!(session = %tree.session_id(), attempts, "pi import raced another writer; judged again");
             }
             Err(PiAttempt::Raced(e)) | Err(PiAttempt::Failed(e)) => return Err(e),
             Ok(summary) => return Ok(summary),
@@ -2004,18 +2041,30 @@ impl From<Error> for PiAttempt {
     }
 }
 
+impl From<CliError> for PiAttempt {
+    fn from(e: CliError) -> PiAttempt {
+        PiAttempt::Failed(e)
+    }
+}
+
 /// Events a pi import appends at once. The whole file is judged before
 /// the first run is written, so a run is refused only by a race or by
 /// storage; one batch of the whole path held every event of a large file
 /// in the store's judging at once (600 MB for 100 000 entries).
 const PI_RUN: usize = 1_000;
 
+/// Two passes over the file's path, one event converted at a time: the
+/// first compares the events the session holds with the stored ones and
+/// judges the rest as the store would judge them as one batch (§4: size,
+/// time, each event against the session as it stands before it), without
+/// writing; the second writes the rest in runs of [`PI_RUN`].
 async fn import_pi_once(
     store: &Store,
-    session: &crate::pi::PiSession,
+    tree: &crate::pi::PiTree,
+    spool: &PiSpool,
     max_bytes: usize,
 ) -> Result<ImportSummary, PiAttempt> {
-    let id = session.session_id;
+    let id = tree.session_id();
     let head = store.head_seq(id).await?;
     let different = |seq: i64, what: String| {
         PiAttempt::Failed(CliError::Input(format!(
@@ -2024,22 +2073,38 @@ async fn import_pi_once(
              and is left unchanged"
         )))
     };
-    // The first seq that differs, read a page at a time: in the events
-    // both have, then past the file's end.
-    let mut stored = 0;
-    while (stored as i64) < head {
-        let page = store.history(id, stored as i64, 1_000).await?;
-        let Some(last) = page.last() else { break };
-        let last = last.seq as usize;
-        for s in &page {
-            let Some(p) = session.events.get(s.seq as usize - 1) else {
-                return Err(different(
-                    s.seq,
-                    format!(
-                        "the session goes on past the file's {} events",
-                        session.events.len()
-                    ),
-                ));
+    // The judging state keeps the window's rows without their texts.
+    let mut state = crate::projector::SessionState::empty(id);
+    let now = chrono::Utc::now();
+    let mut page = Vec::new().into_iter();
+    let mut made: i64 = 0;
+    // The first difference from the stored session. The file is still
+    // converted to its end after it: an error in the file is said first,
+    // whatever the store holds.
+    let mut differs = None;
+    for p in tree.events(spool.lines()?) {
+        let p = p?;
+        let seq = made + 1;
+        made = seq;
+        if differs.is_some() {
+            continue;
+        }
+        if seq <= head {
+            // The stored event at this seq, read a page at a time.
+            let s = match page.next() {
+                Some(s) => s,
+                None => {
+                    page = store
+                        .history_within(id, seq - 1, 1_000, crate::store::PAGE_BYTES)
+                        .await?
+                        .into_iter();
+                    page.next().ok_or_else(|| {
+                        PiAttempt::Failed(CliError::Store(Error::Database(format!(
+                            "session {id} held {head} events, but no event after seq {} could be read",
+                            seq - 1
+                        ))))
+                    })?
+                }
             };
             if Some(s.event_id) != p.event.event_id || !s.body.same_content(&p.event.body) {
                 let what = match Some(s.event_id) == p.event.event_id {
@@ -2059,33 +2124,61 @@ async fn import_pi_once(
                         p.event.event_id.unwrap_or_default()
                     ),
                 };
-                return Err(different(s.seq, what));
+                differs = Some(different(seq, what));
+                continue;
             }
+        } else {
+            let e = &p.event;
+            let len = e.body.to_json_text().len();
+            crate::validate::check_new_event(&state, e, len, max_bytes).map_err(|v| {
+                PiAttempt::Failed(pi_refusal(
+                    Error::Invalid(v.at_index(0)),
+                    std::slice::from_ref(&p),
+                ))
+            })?;
         }
-        stored = last;
+        let e = p.event;
+        state.apply_shed(crate::event::StoredEvent {
+            session_id: id,
+            seq,
+            event_id: e.event_id.unwrap_or_default(),
+            position: 0,
+            recorded_at: e.recorded_at.unwrap_or(now),
+            body: e.body,
+        });
     }
-    let rest = &session.events[stored..];
+    drop(state);
+    if let Some(e) = differs {
+        return Err(e);
+    }
+    if made < head {
+        return Err(different(
+            made + 1,
+            format!("the session goes on past the file's {made} events"),
+        ));
+    }
     let mut summary = ImportSummary {
         written: 0,
-        replayed: stored,
+        replayed: head as usize,
         sessions: 1,
     };
-    if rest.is_empty() {
-        return Ok(summary);
-    }
-    // All or nothing as far as the file goes: judged whole, as the store
-    // would judge it as one batch, before the first run is written.
-    prejudge(session, stored, max_bytes)
-        .map_err(|v| PiAttempt::Failed(pi_refusal(Error::Invalid(v), rest)))?;
-    let mut at = stored as i64;
-    for run in rest.chunks(PI_RUN) {
-        let events = run.iter().map(|e| e.event.clone()).collect();
-        let outcome = store.append(id, at, events).await.map_err(|e| match e {
+    let mut events = tree.events(spool.lines()?).skip(head as usize);
+    let mut at = head;
+    loop {
+        let mut run = Vec::with_capacity(PI_RUN);
+        for p in events.by_ref().take(PI_RUN) {
+            run.push(p?);
+        }
+        if run.is_empty() {
+            break;
+        }
+        let batch = run.iter().map(|e| e.event.clone()).collect();
+        let outcome = store.append(id, at, batch).await.map_err(|e| match e {
             Error::Conflict { .. } => PiAttempt::Raced(e.into()),
             Error::Invalid(v) if v.rule == Rule::PartlyStoredBatch => {
                 PiAttempt::Raced(Error::Invalid(v).into())
             }
-            e @ Error::Invalid(_) => PiAttempt::Failed(pi_refusal(e, run)),
+            e @ Error::Invalid(_) => PiAttempt::Failed(pi_refusal(e, &run)),
             other => other.into(),
         })?;
         at += run.len() as i64;
@@ -2097,36 +2190,6 @@ async fn import_pi_once(
     }
     info!(session = %id, written = summary.written, replayed = summary.replayed, "pi import done");
     Ok(summary)
-}
-
-/// Judges the file's events after the first `stored` (which the session
-/// already holds, as compared) as the store judges a batch (§4: size,
-/// time, each event against the session as it stands before it), without
-/// writing. The state keeps the window's rows without their texts.
-fn prejudge(
-    session: &crate::pi::PiSession,
-    stored: usize,
-    max_bytes: usize,
-) -> std::result::Result<(), ValidationError> {
-    let mut state = crate::projector::SessionState::empty(session.session_id);
-    let now = chrono::Utc::now();
-    for (i, p) in session.events.iter().enumerate() {
-        let e = &p.event;
-        if let Some(k) = i.checked_sub(stored) {
-            let len = e.body.to_json_text().len();
-            crate::validate::check_new_event(&state, e, len, max_bytes)
-                .map_err(|v| v.at_index(k))?;
-        }
-        state.apply_shed(crate::event::StoredEvent {
-            session_id: session.session_id,
-            seq: i as i64 + 1,
-            event_id: e.event_id.unwrap_or_default(),
-            position: 0,
-            recorded_at: e.recorded_at.unwrap_or(now),
-            body: e.body.clone(),
-        });
-    }
-    Ok(())
 }
 
 /// A store's refusal of one of `events`, said with the pi line, entry and

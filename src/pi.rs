@@ -1,5 +1,6 @@
 //! Session files of the pi coding agent (badlogic/pi-mono,
-//! packages/coding-agent) turned into this store's events: pure, no I/O.
+//! packages/coding-agent) turned into this store's events: pure, no I/O
+//! (the lines come from the caller).
 //!
 //! A pi file is JSON lines: a `session` header, then entries that form a
 //! tree through `id`/`parentId` (branching in place). What pi sends the
@@ -10,10 +11,13 @@
 //! it, stores nothing twice. Every mapping decision is written down, with
 //! its reason, in `docs/pi-import.md`.
 //!
-//! [`convert`] checks everything it can name in pi's terms (line and pi
-//! field) before anything is appended; the store's own rules (§4) then judge
-//! the whole session as one batch, and the CLI appends it in runs
-//! (docs/pi-import.md, "Errors").
+//! [`PiTree::read`] reads the tree (each entry's line and parent) in one
+//! pass over the lines, and [`PiTree::events`] converts the path in
+//! another, an entry at a time, so that a file of any length is never
+//! held (docs/pi-import.md, "Size"). Everything that can be named in pi's
+//! terms (line and pi field) is checked there, before anything is
+//! appended; the store's own rules (§4) then judge the whole session as
+//! one batch, and the CLI appends it in runs (docs/pi-import.md, "Errors").
 
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
@@ -108,185 +112,359 @@ pub fn session_id_for(pi_id: &str) -> Uuid {
     Uuid::parse_str(pi_id).unwrap_or_else(|_| uuid_v5(NAMESPACE, pi_id))
 }
 
-/// One tree entry of the file.
+/// One entry of the file on the path, as it is converted: its fields are
+/// parsed only then, so that a large file's entries are never all held as
+/// parsed JSON at once.
 struct Entry {
     line: usize,
     id: String,
-    parent: Option<String>,
     kind: String,
     time: Option<DateTime<Utc>>,
-    /// The entry's other fields: read again from its line (`text`, an index
-    /// into the file's lines) only when the entry is on the path and is
-    /// converted, and dropped after, so that a large file's entries are
-    /// not all held as parsed JSON at once.
     fields: Map<String, Value>,
-    text: usize,
 }
 
-/// Reads a pi session file (non-blank lines with their 1-based numbers)
-/// into one session: the path from the root to the last entry.
-pub fn convert(lines: &[(usize, String)]) -> Result<PiSession, PiError> {
-    let mut rest = lines.iter();
-    let Some((header_line, header_text)) = rest.next() else {
-        return Err(PiError::new(
-            1,
-            None,
-            "the file is empty; a pi session file starts with a `session` header line",
-        ));
-    };
-    let header = parse_object(*header_line, header_text)?;
-    let header = Header::read(*header_line, &header)?;
-    let session_id = session_id_for(&header.id);
+/// One entry of the file in the tree: its line and its parent (an index
+/// into [`PiTree::nodes`]), nothing else.
+struct Node {
+    line: usize,
+    parent: Option<u32>,
+}
 
-    let mut entries: Vec<Entry> = Vec::new();
-    let mut by_id: HashMap<String, usize> = HashMap::new();
-    for (k, (n, text)) in rest.enumerate() {
-        let mut fields = parse_object(*n, text)?;
-        let kind = match fields.remove("type") {
-            Some(Value::String(s)) => s,
-            None => return Err(PiError::new(*n, Some("type"), "missing field `type`")),
-            Some(other) => {
-                return Err(PiError::new(
-                    *n,
-                    Some("type"),
-                    format!("`type` must be a string, found {}", kind_of(&other)),
-                ))
-            }
-        };
-        if kind == "session" {
+/// A pi file's tree, from one pass over its lines: each entry's line and
+/// parent, and the ids. The path to the leaf is known only once the whole
+/// file is read, so the conversion is a second pass ([`PiTree::events`])
+/// over the same lines, and neither pass holds the file, only about 100
+/// bytes an entry (docs/pi-import.md, "Size").
+pub struct PiTree {
+    header_line: usize,
+    header: Header,
+    session_id: Uuid,
+    nodes: Vec<Node>,
+    by_id: HashMap<Box<str>, u32>,
+    /// Node indexes from the root to the leaf, increasing (a parent comes
+    /// before its children).
+    path: Vec<u32>,
+}
+
+/// What [`links`] reads of an entry: its type, id and parent id.
+type Links = (String, String, Option<String>);
+
+/// An entry's type, id and parent id, taken out of its fields. `previous`:
+/// the id of the entry before it, a version 1 entry's parent.
+fn links(
+    n: usize,
+    fields: &mut Map<String, Value>,
+    version: u64,
+    previous: Option<&str>,
+) -> Result<Links, PiError> {
+    let kind = match fields.remove("type") {
+        Some(Value::String(s)) => s,
+        None => return Err(PiError::new(n, Some("type"), "missing field `type`")),
+        Some(other) => {
             return Err(PiError::new(
-                *n,
+                n,
+                Some("type"),
+                format!("`type` must be a string, found {}", kind_of(&other)),
+            ))
+        }
+    };
+    let legacy = version < 2;
+    let id = match fields.remove("id") {
+        Some(Value::String(s)) if !s.is_empty() => s,
+        None | Some(Value::Null) if legacy => format!("line-{n}"),
+        None | Some(Value::Null) => {
+            return Err(PiError::new(
+                n,
+                Some("id"),
+                format!("missing field `id` (a version {version} file's entries carry ids)"),
+            ))
+        }
+        Some(other) => {
+            return Err(PiError::new(
+                n,
+                Some("id"),
+                format!("`id` must be a non-empty string, found {}", shown(&other)),
+            ))
+        }
+    };
+    let parent = match fields.remove("parentId") {
+        Some(Value::String(s)) => Some(s),
+        Some(Value::Null) => None,
+        // Version 1 files are linear: pi links each entry to the one
+        // before it when it migrates them.
+        None if legacy => previous.map(str::to_owned),
+        // Version 2 and 3 entries always carry it (null at a root): one
+        // without it would silently start a new root and drop every
+        // entry before it from the path.
+        None => {
+            return Err(PiError::new(
+                n,
+                Some("parentId"),
+                "missing field `parentId` (a version 2 or 3 entry names its parent, or null for a root)",
+            ))
+        }
+        Some(other) => {
+            return Err(PiError::new(
+                n,
+                Some("parentId"),
+                format!(
+                    "`parentId` must be a string or null, found {}",
+                    kind_of(&other)
+                ),
+            ))
+        }
+    };
+    Ok((kind, id, parent))
+}
+
+impl PiTree {
+    /// Reads the tree from the file's non-blank lines (numbered from 1, as
+    /// in the file), checking each entry's links and time.
+    pub fn read<E: From<PiError>>(
+        mut lines: impl Iterator<Item = Result<(usize, String), E>>,
+    ) -> Result<PiTree, E> {
+        let Some(first) = lines.next() else {
+            return Err(PiError::new(
+                1,
+                None,
+                "the file is empty; a pi session file starts with a `session` header line",
+            )
+            .into());
+        };
+        let (header_line, header_text) = first?;
+        let header = Header::read(header_line, &parse_object(header_line, &header_text)?)?;
+        let mut tree = PiTree {
+            header_line,
+            session_id: session_id_for(&header.id),
+            header,
+            nodes: Vec::new(),
+            by_id: HashMap::new(),
+            path: Vec::new(),
+        };
+        let mut previous = None;
+        for line in lines {
+            let (n, text) = line?;
+            previous = Some(tree.add(n, &text, previous.as_deref())?);
+        }
+        // The leaf is the last entry; walk to the root. Parents come
+        // earlier in the file, so the walk ends.
+        let mut cursor = tree.nodes.len().checked_sub(1).map(|i| i as u32);
+        while let Some(i) = cursor {
+            tree.path.push(i);
+            cursor = tree.nodes[i as usize].parent;
+        }
+        tree.path.reverse();
+        Ok(tree)
+    }
+
+    /// The entry on line `n`; returns its id.
+    fn add(&mut self, n: usize, text: &str, previous: Option<&str>) -> Result<String, PiError> {
+        let mut fields = parse_object(n, text)?;
+        if matches!(fields.get("type"), Some(Value::String(t)) if t == "session") {
+            return Err(PiError::new(
+                n,
                 Some("type"),
                 format!(
-                    "a second `session` header (the header is line {header_line}); a file holds one session"
+                    "a second `session` header (the header is line {}); a file holds one session",
+                    self.header_line
                 ),
             ));
         }
-        let legacy = header.version < 2;
-        let id = match fields.remove("id") {
-            Some(Value::String(s)) if !s.is_empty() => s,
-            None | Some(Value::Null) if legacy => format!("line-{n}"),
-            None | Some(Value::Null) => {
-                return Err(PiError::new(
-                    *n,
-                    Some("id"),
-                    format!(
-                        "missing field `id` (a version {} file's entries carry ids)",
-                        header.version
-                    ),
-                ))
-            }
-            Some(other) => {
-                return Err(PiError::new(
-                    *n,
-                    Some("id"),
-                    format!("`id` must be a non-empty string, found {}", shown(&other)),
-                ))
-            }
-        };
-        let parent = match fields.remove("parentId") {
-            Some(Value::String(s)) => Some(s),
-            Some(Value::Null) => None,
-            // Version 1 files are linear: pi links each entry to the one
-            // before it when it migrates them.
-            None if legacy => entries.last().map(|e| e.id.clone()),
-            // Version 2 and 3 entries always carry it (null at a root): one
-            // without it would silently start a new root and drop every
-            // entry before it from the path.
-            None => {
-                return Err(PiError::new(
-                    *n,
-                    Some("parentId"),
-                    "missing field `parentId` (a version 2 or 3 entry names its parent, or null for a root)",
-                ))
-            }
-            Some(other) => {
-                return Err(PiError::new(
-                    *n,
-                    Some("parentId"),
-                    format!(
-                        "`parentId` must be a string or null, found {}",
-                        kind_of(&other)
-                    ),
-                ))
-            }
-        };
-        if let Some(&earlier) = by_id.get(&id) {
+        let (_, id, parent) = links(n, &mut fields, self.header.version, previous)?;
+        if let Some(&earlier) = self.by_id.get(id.as_str()) {
             return Err(PiError::new(
-                *n,
+                n,
                 Some("id"),
                 format!(
                     "entry id {id:?} is already used by line {}",
-                    entries[earlier].line
+                    self.nodes[earlier as usize].line
                 ),
             ));
         }
-        if let Some(p) = &parent {
-            if !by_id.contains_key(p) {
-                return Err(PiError::new(
-                    *n,
+        let parent = match &parent {
+            None => None,
+            Some(p) => Some(*self.by_id.get(p.as_str()).ok_or_else(|| {
+                PiError::new(
+                    n,
                     Some("parentId"),
                     format!(
                         "`parentId` {p:?} names no earlier entry of the file (a parent comes before its children)"
                     ),
-                ));
+                )
+            })?),
+        };
+        timestamp(n, fields.get("timestamp"), "timestamp")?;
+        let index = u32::try_from(self.nodes.len()).map_err(|_| {
+            PiError::new(
+                n,
+                None,
+                "the file holds more entries than the import can index (2^32)",
+            )
+        })?;
+        self.by_id.insert(id.as_str().into(), index);
+        self.nodes.push(Node { line: n, parent });
+        Ok(id)
+    }
+
+    /// The id of node `i` (a search of every id: for error messages only).
+    fn id_of(&self, i: u32) -> String {
+        self.by_id
+            .iter()
+            .find(|(_, &j)| j == i)
+            .map(|(id, _)| id.to_string())
+            .unwrap_or_default()
+    }
+
+    /// The path position of node `i`, if it is on the path.
+    fn path_pos(&self, i: u32) -> Option<usize> {
+        self.path.binary_search(&i).ok()
+    }
+
+    /// The pi session id if it is a UUID, else its UUIDv5 in [`NAMESPACE`].
+    pub fn session_id(&self) -> Uuid {
+        self.session_id
+    }
+
+    /// Entries of the file (header excluded).
+    pub fn entries(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// Entries not on the path to the leaf (other branches), dropped.
+    pub fn off_path(&self) -> usize {
+        self.nodes.len() - self.path.len()
+    }
+
+    /// The session's events, in order, starting with `session_started`,
+    /// converted one path entry at a time from `lines`: the same lines
+    /// [`PiTree::read`] read (a line found elsewhere is an error). Every
+    /// mapping check of docs/pi-import.md is made here; after an error the
+    /// iterator ends.
+    pub fn events<E: From<PiError>, I: Iterator<Item = Result<(usize, String), E>>>(
+        &self,
+        lines: I,
+    ) -> PiEvents<'_, I> {
+        let mut builder = Builder {
+            session_id: self.session_id,
+            events: Vec::new(),
+            calls: HashMap::new(),
+            catalog: BTreeSet::new(),
+            first_row: vec![None; self.path.len()],
+        };
+        builder.events.push(PiEvent {
+            line: self.header_line,
+            entry_id: None,
+            event: NewEvent {
+                event_id: Some(uuid_v5(self.session_id, "session")),
+                recorded_at: self.header.timestamp,
+                body: EventBody::SessionStarted {
+                    mode: MODE.to_owned(),
+                    metadata: Some(self.header.metadata()),
+                },
+            },
+        });
+        PiEvents {
+            tree: self,
+            lines,
+            pos: 0,
+            builder,
+            done: false,
+        }
+    }
+}
+
+/// The events of a [`PiTree`], converted as they are asked for.
+pub struct PiEvents<'t, I> {
+    tree: &'t PiTree,
+    lines: I,
+    /// The next path position to convert.
+    pos: usize,
+    /// Its `events` are the converted events not yet given out.
+    builder: Builder,
+    done: bool,
+}
+
+impl<E: From<PiError>, I: Iterator<Item = Result<(usize, String), E>>> PiEvents<'_, I> {
+    /// Converts the entry at the next path position.
+    fn convert_next(&mut self) -> Result<(), E> {
+        let tree = self.tree;
+        let want = tree.nodes[tree.path[self.pos] as usize].line;
+        let text = loop {
+            let Some(line) = self.lines.next() else {
+                return Err(PiError::new(
+                    want,
+                    None,
+                    "the file ended before this line when it was read again",
+                )
+                .into());
+            };
+            let (n, text) = line?;
+            if n == want {
+                break text;
+            }
+            if n > want {
+                return Err(PiError::new(
+                    want,
+                    None,
+                    "the file changed while it was read: this line is no longer an entry",
+                )
+                .into());
+            }
+        };
+        let mut fields = parse_object(want, &text)?;
+        // The parent was checked by `read`; only the type and id are used.
+        let (kind, id, _) = links(want, &mut fields, tree.header.version, None)?;
+        let entry = Entry {
+            line: want,
+            id,
+            kind,
+            time: timestamp(want, fields.get("timestamp"), "timestamp")?,
+            fields,
+        };
+        self.builder
+            .entry(self.pos, &entry, tree, tree.header.version)?;
+        self.pos += 1;
+        Ok(())
+    }
+}
+
+impl<E: From<PiError>, I: Iterator<Item = Result<(usize, String), E>>> Iterator
+    for PiEvents<'_, I>
+{
+    type Item = Result<PiEvent, E>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            if !self.builder.events.is_empty() {
+                return Some(Ok(self.builder.events.remove(0)));
+            }
+            if self.done || self.pos >= self.tree.path.len() {
+                return None;
+            }
+            // An entry makes a few events at most: taking them from the
+            // front one by one is cheap.
+            if let Err(e) = self.convert_next() {
+                self.done = true;
+                return Some(Err(e));
             }
         }
-        let time = timestamp(*n, fields.get("timestamp"), "timestamp")?;
-        by_id.insert(id.clone(), entries.len());
-        entries.push(Entry {
-            line: *n,
-            id,
-            parent,
-            kind,
-            time,
-            fields: Map::new(),
-            // The header is line 0 of `lines`.
-            text: k + 1,
-        });
     }
+}
 
-    // The leaf is the last entry; walk to the root. Parents come earlier in
-    // the file, so the walk ends.
-    let mut path = Vec::new();
-    let mut cursor = entries.len().checked_sub(1);
-    while let Some(i) = cursor {
-        path.push(i);
-        cursor = entries[i].parent.as_ref().map(|p| by_id[p]);
-    }
-    path.reverse();
-
-    let mut builder = Builder {
-        session_id,
-        events: Vec::new(),
-        calls: HashMap::new(),
-        catalog: BTreeSet::new(),
-        first_row: vec![None; path.len()],
-        path_pos: path.iter().enumerate().map(|(pos, &i)| (i, pos)).collect(),
-    };
-    builder.events.push(PiEvent {
-        line: *header_line,
-        entry_id: None,
-        event: NewEvent {
-            event_id: Some(uuid_v5(session_id, "session")),
-            recorded_at: header.timestamp,
-            body: EventBody::SessionStarted {
-                mode: MODE.to_owned(),
-                metadata: Some(header.metadata()),
-            },
-        },
-    });
-    for (pos, &i) in path.iter().enumerate() {
-        let (n, text) = &lines[entries[i].text];
-        entries[i].fields = parse_object(*n, text)?;
-        builder.entry(pos, &entries[i], &entries, &by_id, header.version)?;
-        entries[i].fields = Map::new();
-    }
+/// Reads a whole pi session file held in memory (non-blank lines with
+/// their 1-based numbers) into one session: the path from the root to the
+/// last entry. The CLI reads files through [`PiTree`] instead, without
+/// holding them.
+pub fn convert(lines: &[(usize, String)]) -> Result<PiSession, PiError> {
+    let tree = PiTree::read(lines.iter().cloned().map(Ok::<_, PiError>))?;
+    let events = tree
+        .events(lines.iter().cloned().map(Ok::<_, PiError>))
+        .collect::<Result<Vec<_>, PiError>>()?;
     Ok(PiSession {
-        session_id,
-        events: builder.events,
-        entries: entries.len(),
-        off_path: entries.len() - path.len(),
+        session_id: tree.session_id,
+        events,
+        entries: tree.entries(),
+        off_path: tree.off_path(),
     })
 }
 
@@ -389,22 +567,21 @@ struct Builder {
     calls: HashMap<String, (String, usize, Option<usize>)>,
     /// The deferred catalog so far: every name a successful result added.
     catalog: BTreeSet<String>,
-    /// For each path position, the index in `events` of its first row.
-    first_row: Vec<Option<usize>>,
-    /// Entry index -> path position, for entries on the path.
-    path_pos: HashMap<usize, usize>,
+    /// For each path position, the event id of its first row.
+    first_row: Vec<Option<Uuid>>,
 }
 
 impl Builder {
     fn push(&mut self, pos: usize, entry: &Entry, suffix: &str, body: EventBody) {
+        let event_id = uuid_v5(self.session_id, &format!("{}#{suffix}", entry.id));
         if body.is_row() && self.first_row[pos].is_none() {
-            self.first_row[pos] = Some(self.events.len());
+            self.first_row[pos] = Some(event_id);
         }
         self.events.push(PiEvent {
             line: entry.line,
             entry_id: Some(entry.id.clone()),
             event: NewEvent {
-                event_id: Some(uuid_v5(self.session_id, &format!("{}#{suffix}", entry.id))),
+                event_id: Some(event_id),
                 recorded_at: entry.time,
                 body,
             },
@@ -415,8 +592,7 @@ impl Builder {
         &mut self,
         pos: usize,
         entry: &Entry,
-        entries: &[Entry],
-        by_id: &HashMap<String, usize>,
+        tree: &PiTree,
         version: u64,
     ) -> Result<(), PiError> {
         let line = entry.line;
@@ -464,7 +640,7 @@ impl Builder {
                 }
                 Ok(())
             }
-            "compaction" => self.compaction(pos, entry, entries, by_id),
+            "compaction" => self.compaction(pos, entry, tree),
             // model_change, thinking_level_change, custom, label,
             // session_info, and entry types pi may add later: not part of
             // what the model sees (docs/pi-import.md).
@@ -820,13 +996,7 @@ impl Builder {
         Ok(())
     }
 
-    fn compaction(
-        &mut self,
-        pos: usize,
-        entry: &Entry,
-        entries: &[Entry],
-        by_id: &HashMap<String, usize>,
-    ) -> Result<(), PiError> {
+    fn compaction(&mut self, pos: usize, entry: &Entry, tree: &PiTree) -> Result<(), PiError> {
         let line = entry.line;
         let summary = string_field(line, &entry.fields, "summary", "summary")?;
         let tokens_before = match entry.fields.get("tokensBefore") {
@@ -840,7 +1010,7 @@ impl Builder {
             })?),
         };
         let kept_index = match entry.fields.get("firstKeptEntryId") {
-            Some(Value::String(id)) => Some(*by_id.get(id).ok_or_else(|| {
+            Some(Value::String(id)) => Some(*tree.by_id.get(id.as_str()).ok_or_else(|| {
                 PiError::new(
                     line,
                     Some("firstKeptEntryId"),
@@ -856,16 +1026,16 @@ impl Builder {
                 // broken file.
                 Some(v) => Some(
                     v.as_u64()
-                        .and_then(|i| usize::try_from(i).ok())
+                        .and_then(|i| u32::try_from(i).ok())
                         .and_then(|i| i.checked_sub(1))
-                        .filter(|i| *i < entries.len())
+                        .filter(|i| (*i as usize) < tree.nodes.len())
                         .ok_or_else(|| {
                             PiError::new(
                                 line,
                                 Some("firstKeptEntryIndex"),
                                 format!(
                                     "`firstKeptEntryIndex` must be the number of an entry of the file (1 to {}), found {}",
-                                    entries.len(),
+                                    tree.nodes.len(),
                                     shown(v)
                                 ),
                             )
@@ -886,14 +1056,15 @@ impl Builder {
         let first_kept_event_id = match kept_index {
             None => None,
             Some(i) => {
-                let kept_pos = self.path_pos.get(&i).copied().filter(|p| *p < pos);
+                let kept_pos = tree.path_pos(i).filter(|p| *p < pos);
                 let Some(kept_pos) = kept_pos else {
                     return Err(PiError::new(
                         line,
                         Some("firstKeptEntryId"),
                         format!(
                             "`firstKeptEntryId` {:?} (line {}) is not on the session's path before this compaction",
-                            entries[i].id, entries[i].line
+                            tree.id_of(i),
+                            tree.nodes[i as usize].line
                         ),
                     ));
                 };
@@ -904,7 +1075,7 @@ impl Builder {
                     .iter()
                     .flatten()
                     .next()
-                    .and_then(|&e| self.events[e].event.event_id)
+                    .copied()
             }
         };
         self.push(

@@ -709,3 +709,41 @@ fn imports_of_a_file_and_its_longer_version_racing_each_other_are_judged_again()
         assert_eq!(history(&db.url, TOOLS).len(), 16, "{backend}");
     }
 }
+
+/// A file piped in is read twice like a named one (its tree, then its
+/// path): through a copy, since standard input cannot be read again.
+#[test]
+fn a_file_on_standard_input_imports_as_the_named_file_does() {
+    use std::io::Write;
+    for (backend, db) in backends() {
+        for name in ["branch", "compaction", "tools"] {
+            let text = std::fs::read(fixture(name)).unwrap();
+            let mut child = Command::new(BIN)
+                .arg("--database")
+                .arg(&db.url)
+                .args(["import", "--format", "pi"])
+                .env_remove("DATABASE_URL")
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            child.stdin.take().unwrap().write_all(&text).unwrap();
+            let out = child.wait_with_output().unwrap();
+            assert!(out.status.success(), "{backend} {name}: {}", stderr(&out));
+            let piped = feed(&db.url);
+            // The named file then finds every event stored.
+            let again = import(&db.url, &fixture(name));
+            assert!(
+                again.starts_with("imported 0 events"),
+                "{backend} {name}: {again}"
+            );
+            assert_eq!(feed(&db.url), piped, "{backend} {name}");
+            assert_eq!(
+                session_of(&stdout(&out)),
+                session_of(&again),
+                "{backend} {name}"
+            );
+        }
+    }
+}
