@@ -496,7 +496,10 @@ fn store_exit_code(e: &Error) -> i32 {
     match e {
         Error::Conflict { .. } => 3,
         Error::RetriesExhausted { last, .. } => store_exit_code(last),
-        Error::Unavailable(_) | Error::Database(_) | Error::Corrupt(_) => 4,
+        Error::Unavailable(_)
+        | Error::OutcomeUnknown(_)
+        | Error::Database(_)
+        | Error::Corrupt(_) => 4,
         Error::BadUrl(_) => 2,
         Error::Invalid(_)
         | Error::NotAStore(_)
@@ -510,7 +513,7 @@ fn store_exit_code(e: &Error) -> i32 {
 /// far (negative, or past `i64`), is the store's "not a seq of this
 /// session" (exit 1, SEMANTICS §9), not a usage error; past `i64` it is
 /// asked as the farthest `i64`, which no session reaches, and the answer
-/// names the number as typed ([`AtSeq::answer`]).
+/// names the number as typed.
 #[derive(Clone, Debug)]
 pub struct AtSeq {
     seq: i64,

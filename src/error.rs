@@ -199,6 +199,15 @@ pub enum Error {
     /// The database could not be reached or answered with an I/O failure.
     #[error("storage unavailable: {0}")]
     Unavailable(String),
+    /// An append's commit was sent, or may have been, and no answer came:
+    /// the connection failed, a deadline passed or the committing task
+    /// stopped. The batch may or may not be stored. Sent again with the
+    /// same event ids, it answers with the stored seqs if it was (§2);
+    /// without ids, read the session's head before appending again.
+    #[error(
+        "storage unavailable while the append was committing, so it may or may not be stored: {0}"
+    )]
+    OutcomeUnknown(String),
     /// Any other database failure.
     #[error("database error: {0}")]
     Database(String),
@@ -302,7 +311,10 @@ impl Error {
     /// again) or storage that is unavailable for now (the same batch, with
     /// its event ids).
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Error::Conflict { .. } | Error::Unavailable(_))
+        matches!(
+            self,
+            Error::Conflict { .. } | Error::Unavailable(_) | Error::OutcomeUnknown(_)
+        )
     }
 }
 

@@ -457,6 +457,46 @@ both_backends!(
     }
 );
 
+// An append whose commit's answer was lost (the reply dropped after the
+// commit, as a connection cut after PostgreSQL's COMMIT does) is not told
+// "unavailable, try again": it may be stored, and says so. Sent again with
+// the same ids, it is answered from the log, stored once.
+both_backends!(
+    an_append_whose_commit_answer_was_lost_says_it_may_be_stored,
+    |url: String| async move {
+        let lost = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let store = open(
+            &url,
+            StoreOptions {
+                fault_lose_replies: Some(lost.clone()),
+                ..StoreOptions::default()
+            },
+        )
+        .await;
+        let app = router(&store, ServerConfig::default());
+        let s = Uuid::new_v4();
+        let id = Uuid::new_v4();
+        let body = json!({"expected_seq": 0, "events": [
+            {"type": "session_started", "mode": "m", "event_id": id}
+        ]});
+        lost.store(1, std::sync::atomic::Ordering::SeqCst);
+        let (status, v) = post(&app, &events_uri(s), None, &body).await;
+        assert_error(
+            status,
+            &v,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "outcome_unknown",
+        );
+        let message = v["message"].as_str().unwrap();
+        assert!(message.contains("may or may not be stored"), "{message}");
+        assert_eq!(store.head_seq(s).await.unwrap(), 1);
+        let (status, v) = post(&app, &events_uri(s), None, &body).await;
+        assert_eq!(status, StatusCode::CREATED, "{v}");
+        assert_eq!(v["replayed"], json!(true), "{v}");
+        assert_eq!(store.head_seq(s).await.unwrap(), 1);
+    }
+);
+
 both_backends!(tokens_scopes_and_tenants, |url: String| async move {
     let store = open(&url, StoreOptions::default()).await;
     let app = router(&store, with_tokens());

@@ -663,6 +663,14 @@ both_backends!(
         let store = Store::open_with(&url, options).await.unwrap();
         let s = Uuid::new_v4();
         store.append(s, 0, vec![started()]).await.unwrap();
+        // Appended once without retries, the lost reply is said as an
+        // unknown outcome, not as storage that stored nothing.
+        lost.store(1, std::sync::atomic::Ordering::SeqCst);
+        match store.append(s, 1, vec![prompt("unsure")]).await {
+            Err(Error::OutcomeUnknown(m)) => assert!(m.contains("lost"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(store.head_seq(s).await.unwrap(), 2);
         lost.store(1, std::sync::atomic::Ordering::SeqCst);
         let policy = session_store::RetryPolicy {
             max_attempts: 3,
@@ -680,11 +688,11 @@ both_backends!(
             "the retry should be answered from the log"
         );
         let seqs: Vec<i64> = outcome.events.iter().map(|a| a.seq).collect();
-        assert_eq!(seqs, [2, 3]);
+        assert_eq!(seqs, [3, 4]);
         let texts: Vec<String> = all_events(&store, s)
             .await
             .iter()
-            .skip(1)
+            .skip(2)
             .map(|e| serde_json::to_string(&e.body).unwrap())
             .collect();
         assert_eq!(texts.len(), 2, "stored twice: {texts:?}");

@@ -21,7 +21,8 @@ pub struct ErrorBody {
     /// A stable code: `unauthorized`, `forbidden`, `not_found`,
     /// `method_not_allowed`, `bad_request`, `unsupported_media_type`,
     /// `payload_too_large`, `invalid`, `seq_out_of_range`,
-    /// `prompt_out_of_range`, `conflict`, `unavailable`, `timeout`, `busy`,
+    /// `prompt_out_of_range`, `conflict`, `unavailable`, `outcome_unknown`
+    /// (an append that may or may not be stored), `timeout`, `busy`,
     /// `internal`. Any route may also answer 405 `method_not_allowed` to a
     /// method it does not take, and 503 `unavailable`, `timeout` or `busy`.
     /// (A request the HTTP layer cannot read as one, such as a request line
@@ -120,6 +121,17 @@ impl From<Error> for ApiError {
                 "prompt_out_of_range",
                 e.to_string(),
             ),
+            Error::OutcomeUnknown(_) => {
+                warn!(cause = %e, "append outcome unknown");
+                ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "outcome_unknown",
+                    "the database failed while the append was committing, so it may or may not be stored: send it again with the same event ids (a stored batch is answered with its seqs), or read the session's head before appending again",
+                )
+            }
+            Error::RetriesExhausted { last, .. } if matches!(*last, Error::OutcomeUnknown(_)) => {
+                ApiError::from(*last)
+            }
             Error::Unavailable(_) | Error::RetriesExhausted { .. } => {
                 warn!(cause = %e, "storage unavailable");
                 // The one cause a client's operator can act on without

@@ -86,7 +86,10 @@ impl From<Error> for Failed {
     fn from(error: Error) -> Failed {
         let broken = matches!(
             error,
-            Error::Database(_) | Error::Unavailable(_) | Error::RetriesExhausted { .. }
+            Error::Database(_)
+                | Error::Unavailable(_)
+                | Error::OutcomeUnknown(_)
+                | Error::RetriesExhausted { .. }
         );
         Failed { error, broken }
     }
@@ -96,9 +99,23 @@ impl From<Error> for Failed {
 fn again(e: &Error) -> Error {
     match e {
         Error::Unavailable(m) => Error::Unavailable(m.clone()),
+        Error::OutcomeUnknown(m) => Error::OutcomeUnknown(m.clone()),
         other => Error::Database(format!(
             "the transaction this append was committed in failed: {other}"
         )),
+    }
+}
+
+/// A failure of the commit itself (PostgreSQL's `COMMIT`, or the one
+/// autocommitted call of an optimistic group), for each append of the
+/// group. A lost connection there may have come after the server
+/// committed: the appends are told their outcome is unknown, not that
+/// nothing was stored. SQLite's commit is in this process: it either
+/// commits or rolls back and says so, and its failures stay as they are.
+fn commit_failed(remote_commit: bool, e: &Error) -> Error {
+    match e {
+        Error::Unavailable(m) if remote_commit => Error::OutcomeUnknown(m.clone()),
+        _ => again(e),
     }
 }
 
@@ -111,7 +128,7 @@ fn reply_after_commit(options: &StoreOptions, outcome: AppendOutcome) -> Result<
             .is_ok()
     });
     match lose {
-        true => Err(Error::Unavailable(
+        true => Err(Error::OutcomeUnknown(
             "the reply of this committed append was lost (fault injection)".to_owned(),
         )),
         false => Ok(outcome),
@@ -135,18 +152,23 @@ pub(crate) async fn commit_group(
     if let Some(group) = group {
         paths.locked.fetch_add(1, Ordering::Relaxed);
         match &backend {
-            Backend::Sqlite(b) => run(b.begin_write().await, &options, &states, group).await,
-            Backend::Postgres(b) => run(b.begin_write().await, &options, &states, group).await,
+            Backend::Sqlite(b) => run(b.begin_write().await, &options, &states, group, false).await,
+            Backend::Postgres(b) => {
+                run(b.begin_write().await, &options, &states, group, true).await
+            }
         }
     }
     drop(slot);
 }
 
+/// `remote_commit`: the commit is a round trip to a server (PostgreSQL),
+/// whose answer can be lost after it committed ([`commit_failed`]).
 async fn run<T: LogTx>(
     tx: Result<T>,
     options: &StoreOptions,
     states: &StateCache,
     group: Vec<Pending>,
+    remote_commit: bool,
 ) {
     let mut tx = match tx {
         Ok(tx) => tx,
@@ -254,6 +276,7 @@ async fn run<T: LogTx>(
             }
         }
         Err(e) => {
+            let e = commit_failed(remote_commit, &e);
             for (reply, _) in accepted {
                 let _ = reply.send(Err(again(&e)));
             }
@@ -362,6 +385,10 @@ async fn optimistic(
         Err(OptimisticMiss::Failed(e)) => {
             // The call may or may not have committed: answered like a
             // failed commit, never tried again behind the caller's back.
+            let e = match e {
+                Error::Unavailable(m) => Error::OutcomeUnknown(m),
+                other => other,
+            };
             for p in group {
                 let _ = p.reply.send(Err(again(&e)));
             }
@@ -395,4 +422,31 @@ async fn optimistic(
         }
     }
     None
+}
+
+#[cfg(test)]
+mod tests {
+    //! What each append of a group is told when the commit fails.
+
+    use super::*;
+
+    /// A lost connection at PostgreSQL's `COMMIT` may come after the
+    /// server committed: the appends may be stored, and are told so. A
+    /// SQLite commit fails whole, and a failure that is not the
+    /// connection's (a refusal at commit) is said as what it is.
+    #[test]
+    fn a_lost_connection_at_a_remote_commit_leaves_the_outcome_unknown() {
+        let cut = Error::Unavailable("the connection was cut".to_owned());
+        assert!(matches!(
+            commit_failed(true, &cut),
+            Error::OutcomeUnknown(m) if m == "the connection was cut"
+        ));
+        assert!(matches!(commit_failed(false, &cut), Error::Unavailable(_)));
+        let refused = Error::Database("could not serialize access".to_owned());
+        assert!(matches!(commit_failed(true, &refused), Error::Database(_)));
+        // The other appends of the group are told the same.
+        let unknown = commit_failed(true, &cut);
+        assert!(matches!(again(&unknown), Error::OutcomeUnknown(_)));
+        assert!(unknown.is_retryable());
+    }
 }

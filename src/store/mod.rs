@@ -128,12 +128,12 @@ pub struct StoreOptions {
     #[doc(hidden)]
     pub fault_pause_after_commit: Option<std::time::Duration>,
     /// Fault injection for tests: this many committed appends are answered
-    /// with [`Error::Unavailable`] instead of their outcome (a reply lost
-    /// after the commit), then the count stops at 0.
+    /// with [`Error::OutcomeUnknown`] instead of their outcome (a reply
+    /// lost after the commit), then the count stops at 0.
     #[doc(hidden)]
     pub fault_lose_replies: Option<std::sync::Arc<std::sync::atomic::AtomicUsize>>,
     /// The longest one append may take, queue and commit included, before
-    /// it answers [`Error::Unavailable`] (it may still have committed).
+    /// it answers [`Error::OutcomeUnknown`] (it may still have committed).
     /// `None` (the default) waits as long as the database takes; the CLI's
     /// `import` and `append` set `--write-timeout`, so that a database that
     /// stops answering is said within seconds (SEMANTICS §9).
@@ -900,8 +900,9 @@ impl Store {
     /// order in which a batch is judged.
     ///
     /// Give events ids ([`NewEvent::with_id`]) when you may retry: an
-    /// [`Error::Unavailable`] can come after the commit (its reply lost),
-    /// and a future dropped after its group took it commits anyway. The
+    /// [`Error::OutcomeUnknown`] comes when the commit's answer was lost
+    /// (the batch may be stored), and a future dropped after its group
+    /// took it commits anyway. An [`Error::Unavailable`] stored nothing. The
     /// same batch sent again then answers with the stored seqs (§2); a
     /// batch without ids would be appended a second time, or conflict.
     pub async fn append(
@@ -961,8 +962,8 @@ impl Store {
         tokio::time::timeout(deadline, append)
             .await
             .unwrap_or_else(|_| {
-                Err(Error::Unavailable(format!(
-                    "the database did not finish the append within {} s; it may or may not be stored, so retry it with the same event ids",
+                Err(Error::OutcomeUnknown(format!(
+                    "the database did not finish the append within {} s",
                     deadline.as_secs_f64()
                 )))
             })
@@ -994,8 +995,8 @@ impl Store {
             }
         }
         let lost = || {
-            Error::Unavailable(
-                "the task committing this append stopped before answering; the append may or may not be stored, so retry it with the same event ids".to_owned(),
+            Error::OutcomeUnknown(
+                "the task committing this append stopped before answering".to_owned(),
             )
         };
         let slot = tokio::select! {
@@ -1076,7 +1077,7 @@ impl Store {
                 Err(e)
                     if e.is_retryable()
                         && attempts < policy.max_attempts.max(1)
-                        && !(matches!(e, Error::Unavailable(_))
+                        && !(matches!(e, Error::Unavailable(_) | Error::OutcomeUnknown(_))
                             && (start.elapsed() >= policy.max_unavailable
                                 || self.closed.load(std::sync::atomic::Ordering::SeqCst))) =>
                 {
