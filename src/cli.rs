@@ -1542,55 +1542,92 @@ fn is_blank(line: &[u8]) -> bool {
         .all(|b| matches!(b, b' ' | b'\t' | b'\r' | b'\n'))
 }
 
-/// A pi session file copied to a temporary file (in `TMPDIR`, removed when
-/// dropped), so that the import can read it more than once (its tree, then
-/// its path, docs/pi-import.md "Size") without holding it: standard input
-/// cannot be read twice, and a pi still writing the file would give the
-/// passes different lines.
+/// A pi session file copied to a temporary file without a name (in
+/// `TMPDIR`; the system frees it when the process ends, however it ends),
+/// so that the import can read it more than once (its tree, then its path,
+/// docs/pi-import.md "Size") without holding it: standard input cannot be
+/// read twice, and a pi still writing the file would give the passes
+/// different lines.
 pub struct PiSpool {
-    file: tempfile::NamedTempFile,
+    file: std::fs::File,
 }
 
 impl PiSpool {
-    /// Copies `input` whole.
+    /// Copies `input` whole, line by line, checking that each line is
+    /// UTF-8 text: a file that is not is refused before any of it is read
+    /// as pi entries.
     pub fn copy(mut input: Box<dyn BufRead + Send>) -> Result<PiSpool, CliError> {
-        let mut file = tempfile::NamedTempFile::new().map_err(|e| {
+        let tmp_error = |e: std::io::Error| {
             CliError::Io(format!(
-                "cannot create a temporary file to read the pi session file through: {e}"
+                "cannot copy the pi session file to a temporary file in {}: {e}",
+                std::env::temp_dir().display()
             ))
-        })?;
-        std::io::copy(&mut input, file.as_file_mut()).map_err(|e| {
-            CliError::Io(format!(
-                "cannot copy the pi session file to a temporary file ({}): {e}",
-                file.path().display()
-            ))
-        })?;
+        };
+        let mut file = tempfile::tempfile().map_err(tmp_error)?;
+        let mut out = std::io::BufWriter::new(&mut file);
+        let mut line = Vec::new();
+        for n in 1.. {
+            line.clear();
+            let read = input
+                .read_until(b'\n', &mut line)
+                .map_err(|e| CliError::Io(format!("cannot read line {n} of the input: {e}")))?;
+            if read == 0 {
+                break;
+            }
+            if std::str::from_utf8(&line).is_err() {
+                return Err(CliError::Io(format!(
+                    "cannot read line {n} of the input: stream did not contain valid UTF-8"
+                )));
+            }
+            out.write_all(&line).map_err(tmp_error)?;
+        }
+        out.flush().map_err(tmp_error)?;
+        drop(out);
         Ok(PiSpool { file })
     }
 
-    /// The file's non-blank lines, numbered from 1, from its start.
+    /// The file's non-blank lines, numbered from 1, from its start (each
+    /// call reads with an offset of its own).
     pub fn lines(
         &self,
-    ) -> Result<impl Iterator<Item = Result<(usize, String), CliError>> + Send, CliError> {
-        let file = std::fs::File::open(self.file.path()).map_err(|e| {
-            CliError::Io(format!(
-                "cannot read the pi session file's copy {}: {e}",
-                self.file.path().display()
-            ))
-        })?;
-        let lines = std::io::BufReader::new(file).lines().enumerate();
+    ) -> Result<impl Iterator<Item = Result<(usize, String), CliError>> + Send + '_, CliError> {
+        let reader = SpoolReader {
+            file: &self.file,
+            at: 0,
+        };
+        let lines = std::io::BufReader::new(reader).lines().enumerate();
         Ok(lines.filter_map(|(i, line)| match line {
             Err(e) => Some(Err(CliError::Io(format!(
                 "cannot read line {} of the input: {e}",
                 i + 1
             )))),
-            Ok(l) if is_blank(l.as_bytes()) => None,
-            Ok(l) if i == 0 => Some(Ok((
-                1,
-                l.strip_prefix('\u{feff}').map(str::to_owned).unwrap_or(l),
-            ))),
-            Ok(l) => Some(Ok((i + 1, l))),
+            Ok(l) => {
+                // A byte order mark some editors put first is not text.
+                let l = match i {
+                    0 => l.strip_prefix('\u{feff}').map(str::to_owned).unwrap_or(l),
+                    _ => l,
+                };
+                match is_blank(l.as_bytes()) {
+                    true => None,
+                    false => Some(Ok((i + 1, l))),
+                }
+            }
         }))
+    }
+}
+
+/// A reader of the spool from its start, at an offset of its own.
+struct SpoolReader<'f> {
+    file: &'f std::fs::File,
+    at: u64,
+}
+
+impl std::io::Read for SpoolReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        use std::os::unix::fs::FileExt;
+        let n = self.file.read_at(buf, self.at)?;
+        self.at += n as u64;
+        Ok(n)
     }
 }
 
@@ -2081,9 +2118,10 @@ async fn import_pi_once(
     let now = chrono::Utc::now();
     let mut page = Vec::new().into_iter();
     let mut made: i64 = 0;
-    // The first difference from the stored session. The file is still
-    // converted to its end after it: an error in the file is said first,
-    // whatever the store holds.
+    // The first difference from the stored session, or the first event
+    // the store would refuse. The file is still converted to its end after
+    // either: an error in the file is said first, whatever the store holds
+    // or would refuse.
     let mut differs = None;
     for p in tree.events(spool.lines()?) {
         let p = p?;
@@ -2133,12 +2171,13 @@ async fn import_pi_once(
         } else {
             let e = &p.event;
             let len = e.body.to_json_text().len();
-            crate::validate::check_new_event(&state, e, len, max_bytes).map_err(|v| {
-                PiAttempt::Failed(pi_refusal(
+            if let Err(v) = crate::validate::check_new_event(&state, e, len, max_bytes) {
+                differs = Some(PiAttempt::Failed(pi_refusal(
                     Error::Invalid(v.at_index(0)),
                     std::slice::from_ref(&p),
-                ))
-            })?;
+                )));
+                continue;
+            }
         }
         let e = p.event;
         state.apply_shed(crate::event::StoredEvent {

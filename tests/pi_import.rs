@@ -747,3 +747,61 @@ fn a_file_on_standard_input_imports_as_the_named_file_does() {
         }
     }
 }
+
+/// Errors are said in the order a reader of the whole file would meet
+/// them, as when the file was read whole (before it was read in passes):
+/// a line that is not UTF-8 anywhere, then the first bad entry, then what
+/// the store would refuse; a byte order mark alone on the first line is a
+/// blank line.
+#[test]
+fn errors_are_said_in_file_order_whatever_the_passes() {
+    let db = common::sqlite_db();
+    let dir = tempfile::tempdir().unwrap();
+    let header =
+        r#"{"type":"session","version":3,"id":"s2","timestamp":"2025-06-01T10:00:00.000Z"}"#;
+    let user =
+        r#"{"type":"message","id":"a","parentId":null,"message":{"role":"user","content":"hi"}}"#;
+    let unnamed_call = r#"{"type":"message","id":"b","parentId":"a","message":{"role":"assistant","content":[{"type":"toolCall","id":"c1","name":"","arguments":{}}]}}"#;
+    let weird =
+        r#"{"type":"message","id":"c","parentId":"b","message":{"role":"weird","content":"x"}}"#;
+    let write = |name: &str, bytes: Vec<u8>| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, bytes).unwrap();
+        path.to_str().unwrap().to_owned()
+    };
+    let cases: Vec<(&str, Vec<u8>, Option<&str>)> = vec![
+        // The store's rule (line 3, an empty tool name) comes after the
+        // file's own error on line 4.
+        (
+            "judged-then-bad-entry",
+            format!("{header}\n{user}\n{unnamed_call}\n{weird}\n").into_bytes(),
+            Some("line 4: unknown message role"),
+        ),
+        // A line that is not UTF-8 is said before a bad line above it.
+        (
+            "bad-json-then-not-utf8",
+            [
+                format!("{header}\n{user}\n{{bad json\n").into_bytes(),
+                b"{\"type\":\"message\",\"id\":\"b\",\"parentId\":\"a\",\"message\":{\"role\":\"user\",\"content\":\"\xff\xfe\"}}\n".to_vec(),
+            ]
+            .concat(),
+            Some("cannot read line 4 of the input"),
+        ),
+        (
+            "bom-alone-first",
+            format!("\u{feff}\n{header}\n{user}\n").into_bytes(),
+            None,
+        ),
+    ];
+    for (name, bytes, error) in cases {
+        let path = write(name, bytes);
+        let out = run(&db.url, &["import", "--format", "pi", &path]);
+        match error {
+            Some(said) => {
+                assert_eq!(out.status.code(), Some(1), "{name}: {}", stderr(&out));
+                assert!(stderr(&out).contains(said), "{name}: {}", stderr(&out));
+            }
+            None => assert!(out.status.success(), "{name}: {}", stderr(&out)),
+        }
+    }
+}
