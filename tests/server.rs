@@ -1504,3 +1504,53 @@ async fn a_client_that_shuts_its_side_after_the_request_still_gets_the_answer() 
     }
     stop_serving(stop, serving, "shutdown").await;
 }
+
+/// A stored row the store cannot read back (here edited behind its back)
+/// ends a stream that reaches it with one `error` event, instead of a
+/// task that reads it again twice a second long after its client left.
+#[tokio::test]
+async fn a_stream_that_meets_an_unreadable_row_says_so_and_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store_in(&dir).await;
+    let app = router(&store, ServerConfig::default());
+    let id = Uuid::new_v4();
+    let body = json!({"expected_seq": 0, "events": [
+        {"type": "session_started", "mode": "m"},
+        {"type": "prompt_submitted", "text": "one"},
+        {"type": "prompt_submitted", "text": "two"}
+    ]});
+    let (s, v) = post(&app, &events_uri(id), None, &body).await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    {
+        use sqlx::ConnectOptions;
+        let mut c = sqlx::sqlite::SqliteConnectOptions::new()
+            .filename(dir.path().join("s.db"))
+            .connect()
+            .await
+            .unwrap();
+        sqlx::raw_sql(
+            "DROP TRIGGER events_no_update; UPDATE events SET payload = '{not json' WHERE seq = 3;",
+        )
+        .execute(&mut c)
+        .await
+        .unwrap();
+    }
+    let mut body = open_stream(&app, &format!("/v1/sessions/{id}/stream?after_seq=1"), None).await;
+    // The page holding seq 2 and 3 cannot be read: the error names the
+    // last seq delivered, 1, where a client resumes.
+    let got = read_sse(&mut body, 1).await;
+    assert_eq!(
+        (got[0].0.as_str(), got[0].1.as_str()),
+        ("error", "1"),
+        "{got:?}"
+    );
+    assert_eq!(got[0].2["error"], "internal", "{got:?}");
+    // And the stream ends.
+    let end = tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(frame) = body.frame().await {
+            frame.unwrap();
+        }
+    })
+    .await;
+    assert!(end.is_ok(), "the stream went on after its error");
+}

@@ -1308,10 +1308,23 @@ async fn feed_stream(
                     .await
                 {
                     Ok(p) => p,
-                    Err(e) => {
+                    // Storage that is down for now: read again, unless the
+                    // client has gone meanwhile (nothing else would notice).
+                    Err(e) if e.is_retryable() => {
                         warn!(cause = %e, "stream read failed; retrying");
-                        tokio::time::sleep(Duration::from_millis(500)).await;
-                        continue;
+                        tokio::select! {
+                            _ = tx.closed() => return,
+                            _ = tokio::time::sleep(Duration::from_millis(500)) => continue,
+                        }
+                    }
+                    // A failure that reading again will not mend (a row the
+                    // store cannot read back): said, and the stream ends.
+                    Err(e) => {
+                        warn!(cause = %e, "stream read failed; the stream ends");
+                        let _ = tx
+                            .send(Ok(sse_json("error", state.seq, &ApiError::from(e).body)))
+                            .await;
+                        return;
                     }
                 };
                 if page.is_empty() {
@@ -1353,7 +1366,10 @@ async fn feed_stream(
                 r = watch.wait_past(session_id, state.seq, KEEP_ALIVE) => {
                     if let Err(e) = r {
                         debug!(cause = %e, "stream wait failed; retrying");
-                        tokio::time::sleep(Duration::from_millis(500)).await;
+                        tokio::select! {
+                            _ = tx.closed() => return,
+                            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                        }
                     }
                 }
             }
