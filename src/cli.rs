@@ -357,6 +357,10 @@ pub struct ServeArgs {
     /// Largest request body, in bytes.
     #[arg(long, default_value_t = crate::server::DEFAULT_BODY_LIMIT)]
     pub body_limit: usize,
+    /// Most events one append may carry; more answer 413 (an append's
+    /// memory grows with its events, whatever their size).
+    #[arg(long, default_value_t = crate::server::DEFAULT_MAX_BATCH_EVENTS as u32, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_batch_events: u32,
     /// Seconds a request may take before it answers 503.
     #[arg(long, default_value = "30", value_parser = parse_seconds)]
     pub request_timeout: std::time::Duration,
@@ -728,6 +732,7 @@ async fn serve(
     let config = ServerConfig {
         tokens,
         body_limit: args.body_limit,
+        max_batch_events: args.max_batch_events as usize,
         request_timeout: args.request_timeout,
         shutdown_grace: args.shutdown_grace,
         header_timeout: args.header_timeout,

@@ -341,14 +341,34 @@ pub fn redact_url(url: &str) -> String {
 
 /// `s` as a JSON string, for messages that quote what a caller sent: a
 /// control character shows as `\u0001`, as in the JSON it came in, not in
-/// Rust's `\u{1}`.
+/// Rust's `\u{1}`. Past 120 characters it is cut, with its length said:
+/// `"aaaa…" (3000 bytes)`.
 pub fn quoted(s: &str) -> String {
-    serde_json::to_string(s).unwrap_or_else(|_| format!("{s:?}"))
+    // A message echoes what was sent; a name of 64 KiB (a request line
+    // allows it) would make a message of as much. Long ones are cut.
+    const SHOWN: usize = 120;
+    if s.chars().nth(SHOWN).is_none() {
+        return serde_json::to_string(s).unwrap_or_else(|_| format!("{s:?}"));
+    }
+    let head: String = s.chars().take(SHOWN).collect();
+    let head = serde_json::to_string(&head).unwrap_or_else(|_| format!("{head:?}"));
+    format!("{}…\" ({} bytes)", &head[..head.len() - 1], s.len())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A long name is quoted cut, with its length; a short one whole.
+    #[test]
+    fn quoted_cuts_what_is_long() {
+        assert_eq!(quoted("a\u{1}b"), "\"a\\u0001b\"");
+        let long = "é".repeat(3000);
+        let q = quoted(&long);
+        assert!(q.starts_with(&format!("\"{}", "é".repeat(120))), "{q}");
+        assert!(q.ends_with("…\" (6000 bytes)"), "{q}");
+        assert_eq!(quoted(&"x".repeat(120)), format!("\"{}\"", "x".repeat(120)));
+    }
 
     /// A connection lost while the schema is brought up to date is the
     /// storage's, as anywhere else (exit 4, retried by `import`); a schema

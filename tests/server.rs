@@ -1554,3 +1554,73 @@ async fn a_stream_that_meets_an_unreadable_row_says_so_and_ends() {
     .await;
     assert!(end.is_ok(), "the stream went on after its error");
 }
+
+/// An append's memory grows with its events whatever their size, so the
+/// number of events one append carries is bounded (`--max-batch-events`):
+/// more answer 413 and store nothing.
+#[tokio::test]
+async fn an_append_over_the_event_limit_answers_413_and_stores_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store_in(&dir).await;
+    let app = router(
+        &store,
+        ServerConfig {
+            max_batch_events: 3,
+            ..ServerConfig::default()
+        },
+    );
+    let id = Uuid::new_v4();
+    let batch = |n: usize| {
+        let mut events = vec![json!({"type": "session_started", "mode": "m"})];
+        events.extend((1..n).map(|i| json!({"type": "prompt_submitted", "text": i.to_string()})));
+        json!({"expected_seq": 0, "events": events})
+    };
+    let (s, v) = post(&app, &events_uri(id), None, &batch(4)).await;
+    assert_error(s, &v, StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large");
+    let message = v["message"].as_str().unwrap();
+    assert!(
+        message.contains("4 events, over the limit of 3"),
+        "{message}"
+    );
+    assert!(matches!(
+        store.head_seq(id).await,
+        Ok(0) | Err(session_store::Error::SessionNotFound(_))
+    ));
+    let (s, v) = post(&app, &events_uri(id), None, &batch(3)).await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+}
+
+/// The append takes its batch and expected seq from the body: a query
+/// string is refused, not ignored, and stores nothing; an unknown
+/// parameter of a route with one or two is answered with them.
+#[tokio::test]
+async fn an_append_with_a_query_string_is_refused_and_unknown_parameters_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store_in(&dir).await;
+    let app = router(&store, ServerConfig::default());
+    let id = Uuid::new_v4();
+    let body = json!({"expected_seq": 0, "events": [{"type": "session_started", "mode": "m"}]});
+    for q in ["?expected_seq=0", "?foo=1"] {
+        let (s, v) = post(&app, &format!("{}{q}", events_uri(id)), None, &body).await;
+        assert_error(s, &v, StatusCode::BAD_REQUEST, "bad_request");
+        assert!(v["message"].as_str().unwrap().contains("takes none"), "{v}");
+    }
+    let (s, v) = post(&app, &events_uri(id), None, &body).await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    assert_eq!(
+        v["events"][0]["seq"], 1,
+        "the refused appends stored nothing"
+    );
+    for (route, takes) in [
+        ("events?foo=1", "`after_seq` or `limit`"),
+        ("context?limit=1", "`at_seq`"),
+    ] {
+        let (s, v) = get(&app, &format!("/v1/sessions/{id}/{route}"), None).await;
+        assert_error(s, &v, StatusCode::BAD_REQUEST, "bad_request");
+        let message = v["message"].as_str().unwrap();
+        assert!(
+            message.ends_with(&format!("this request takes {takes}")),
+            "{message}"
+        );
+    }
+}

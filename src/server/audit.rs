@@ -312,7 +312,7 @@ impl AuditParams {
         ("session" = Option<Uuid>, Query, description = "Only this session"),
         ("since" = Option<DateTime<Utc>>, Query, description = "Only rows recorded at or after this time (RFC 3339)"),
         ("until" = Option<DateTime<Utc>>, Query, description = "Only rows recorded before this time (RFC 3339)"),
-        ("after" = Option<String>, Query, description = "The cursor of the previous page (`next_after`)"),
+        ("after" = Option<String>, Query, description = "The cursor of the next page: the previous page's `next_after_position` (events) or `next` (changes, anomalies)"),
         ("limit" = Option<i64>, Query, description = "Rows per page, 1 to 1000 (100 without it)"),
     ),
     responses(
@@ -384,7 +384,7 @@ pub(super) async fn audit_events(
         ("session" = Option<Uuid>, Query, description = "Only this session"),
         ("since" = Option<DateTime<Utc>>, Query, description = "Only rows recorded at or after this time (RFC 3339)"),
         ("until" = Option<DateTime<Utc>>, Query, description = "Only rows recorded before this time (RFC 3339)"),
-        ("after" = Option<String>, Query, description = "The cursor of the previous page (`next_after`)"),
+        ("after" = Option<String>, Query, description = "The cursor of the next page: the previous page's `next_after_position` (events) or `next` (changes, anomalies)"),
         ("limit" = Option<i64>, Query, description = "Rows per page, 1 to 1000 (100 without it)"),
     ),
     responses(
@@ -441,7 +441,7 @@ pub(super) async fn audit_changes(
         ("session" = Option<Uuid>, Query, description = "Only this session"),
         ("since" = Option<DateTime<Utc>>, Query, description = "Only rows recorded at or after this time (RFC 3339)"),
         ("until" = Option<DateTime<Utc>>, Query, description = "Only rows recorded before this time (RFC 3339)"),
-        ("after" = Option<String>, Query, description = "The cursor of the previous page (`next_after`)"),
+        ("after" = Option<String>, Query, description = "The cursor of the next page: the previous page's `next_after_position` (events) or `next` (changes, anomalies)"),
         ("limit" = Option<i64>, Query, description = "Rows per page, 1 to 1000 (100 without it)"),
     ),
     responses(

@@ -101,8 +101,8 @@ pub struct EventQuery {
 pub struct EventPage {
     /// In position order.
     pub events: Vec<StoredEvent>,
-    /// Pass as `after_position` for the next page; `null` when this page
-    /// reached the end.
+    /// Pass as `after` for the next page (the CLI's `--after`); `null`
+    /// when this page reached the end.
     pub next_after_position: Option<i64>,
 }
 
