@@ -33,6 +33,16 @@ static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
 /// Rows per INSERT statement: 7 parameters each, well under SQLite's limit.
 const INSERT_CHUNK: usize = 500;
 
+/// Writes of more rows than this are prepared for their one use, not kept
+/// in the driver's statement cache. A statement's text depends on its
+/// number of rows, and SQLite's prepared program of a multi-row insert
+/// takes about 1.3 KB a row: each size of large batch seen kept megabytes
+/// for as long as the connection (twelve appends of about 3 000 events,
+/// each a size of its own, took a server from 22 to 62 MB, for good).
+/// Below it, batches (and the import's runs of 500) keep their prepared
+/// statements.
+const CACHED_ROWS: usize = INSERT_CHUNK;
+
 type Row = (i64, String, i64, String, String, String);
 
 /// A [`Row`] with its chain hash.
@@ -771,6 +781,8 @@ pub(crate) struct SqliteTx {
     conn: TxConn,
     /// Writes not sent yet (statements and their arguments).
     pending: Option<QueryBuilder<'static, Sqlite>>,
+    /// The events rows among them ([`CACHED_ROWS`]).
+    pending_rows: usize,
     /// The largest position, once read ([`LogTx::head`], `prefetch`) and
     /// kept current by this transaction's inserts, so reserving positions
     /// needs no statement of its own.
@@ -888,6 +900,7 @@ impl SqliteTx {
         SqliteTx {
             conn,
             pending: None,
+            pending_rows: 0,
             last_position: None,
             memo: Memo::default(),
         }
@@ -901,7 +914,9 @@ impl SqliteTx {
             TxConn::Write(w) => {
                 w.begin().await?;
                 if let Some(mut q) = self.pending.take() {
+                    let rows = std::mem::take(&mut self.pending_rows);
                     q.build()
+                        .persistent(rows <= CACHED_ROWS)
                         .execute(w.conn()?)
                         .await
                         .map_err(Error::from_sqlx)?;
@@ -1260,6 +1275,7 @@ impl LogTx for SqliteTx {
             });
             q.push(";\n");
         }
+        self.pending_rows += w.rows.len();
         // Sent with the next statement or the COMMIT (`SqliteTx::conn`).
         self.pending = Some(q);
         self.accepted(&w);
@@ -1341,6 +1357,7 @@ impl LogTx for SqliteTx {
                     .push_bind(r.hash.as_str());
             });
             q.build()
+                .persistent(chunk.len() <= CACHED_ROWS)
                 .execute(self.conn().await?)
                 .await
                 .map_err(Error::from_sqlx)?;
@@ -1651,6 +1668,7 @@ impl LogTx for SqliteTx {
         // leaving the file's write lock held until this process writes
         // again.
         let pending = self.pending.take();
+        let pending_rows = std::mem::take(&mut self.pending_rows);
         match &mut self.conn {
             TxConn::Read(_) => match std::mem::replace(&mut self.conn, TxConn::Done) {
                 TxConn::Read(tx) => tx.commit().await.map_err(Error::from_sqlx),
@@ -1672,7 +1690,11 @@ impl LogTx for SqliteTx {
                 // The pending writes and the COMMIT, in one hop.
                 let mut q = pending.unwrap_or_else(|| QueryBuilder::<Sqlite>::new(""));
                 q.push("COMMIT;");
-                let committed = q.build().execute(w.conn()?).await;
+                let committed = q
+                    .build()
+                    .persistent(pending_rows <= CACHED_ROWS)
+                    .execute(w.conn()?)
+                    .await;
                 match committed {
                     Ok(_) => {
                         w.in_tx = false;
@@ -1819,6 +1841,58 @@ mod tests {
         let mut expected: Vec<&str> = STORE_TABLES.to_vec();
         expected.sort_unstable();
         assert_eq!(tables, expected, "a migration added or dropped a table");
+    }
+
+    /// A write of many rows is prepared for its one use: each size of
+    /// large batch kept megabytes in the writer's statement cache for as
+    /// long as the connection. Small batches keep theirs.
+    #[tokio::test]
+    async fn large_writes_are_not_kept_prepared() {
+        use crate::event::{EventBody, NewEvent};
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("s.db").display());
+        let store = crate::Store::open(&url).await.unwrap();
+        let batch = |n: usize| {
+            let mut events = vec![NewEvent::new(EventBody::SessionStarted {
+                mode: "m".to_owned(),
+                metadata: None,
+            })];
+            events.extend((1..n).map(|i| {
+                NewEvent::new(EventBody::PromptSubmitted {
+                    text: i.to_string(),
+                })
+            }));
+            events
+        };
+        async fn cached(store: &crate::Store) -> usize {
+            match &store.backend {
+                crate::store::Backend::Sqlite(b) => {
+                    let w = b.writer.lock().await;
+                    w.conn.as_ref().map_or(0, |c| c.cached_statements_size())
+                }
+                _ => unreachable!("a SQLite store"),
+            }
+        }
+        store.append(Uuid::new_v4(), 0, batch(10)).await.unwrap();
+        let small = cached(&store).await;
+        store.append(Uuid::new_v4(), 0, batch(10)).await.unwrap();
+        assert_eq!(
+            cached(&store).await,
+            small,
+            "the same small batch, kept once"
+        );
+        store
+            .append(Uuid::new_v4(), 0, batch(CACHED_ROWS + 1))
+            .await
+            .unwrap();
+        store
+            .append(Uuid::new_v4(), 0, batch(CACHED_ROWS + 7))
+            .await
+            .unwrap();
+        assert_eq!(cached(&store).await, small, "large batches were kept");
+        store.append(Uuid::new_v4(), 0, batch(11)).await.unwrap();
+        assert_eq!(cached(&store).await, small + 1, "a new small size is kept");
+        store.close().await;
     }
 
     /// The settings docs/design.md promises ("Durability") are the ones a
