@@ -203,10 +203,20 @@ const TRUSTED_IDLE: Duration = Duration::from_secs(1);
 /// server restart less than a second after a connection's last use fails
 /// the next statement on it, once, with a retryable error
 /// (docs/design.md, "Connection health").
+///
+/// No idle timeout and no lifetime, so sqlx runs no reaper task: in sqlx
+/// 0.8.6 that task can read a transiently underflowed idle count (a
+/// release racing an acquire) and loop about 10^19 times, a worker thread
+/// at 100 % for good (launchbadge/sqlx#3645, fixed upstream by #4289, not
+/// in a release this crate uses). A CI run of this suite wedged on it
+/// (2026-12-05). Idle connections stay open instead of closing after 10
+/// minutes: at most `MAX_CONNECTIONS` a process.
 pub(crate) fn pool_options() -> PgPoolOptions {
     PgPoolOptions::new()
         .max_connections(MAX_CONNECTIONS)
         .test_before_acquire(false)
+        .idle_timeout(None)
+        .max_lifetime(None)
         .before_acquire(|conn, meta| {
             Box::pin(async move {
                 if meta.idle_for >= TRUSTED_IDLE {

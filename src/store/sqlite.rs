@@ -440,6 +440,9 @@ pub(crate) fn pool_options() -> SqlitePoolOptions {
     SqlitePoolOptions::new()
         .max_connections(MAX_CONNECTIONS)
         .test_before_acquire(false)
+        // No reaper task (see `postgres::pool_options`).
+        .idle_timeout(None)
+        .max_lifetime(None)
 }
 
 /// The connection settings of the module docs (WAL, `synchronous=FULL`, a
@@ -1893,6 +1896,24 @@ mod tests {
         store.append(Uuid::new_v4(), 0, batch(11)).await.unwrap();
         assert_eq!(cached(&store).await, small + 1, "a new small size is kept");
         store.close().await;
+    }
+
+    /// No pool runs sqlx's reaper task, which can spin for good
+    /// (docs/design.md, "Connection health").
+    #[test]
+    fn pools_have_no_reaper() {
+        for (idle, lifetime) in [
+            (
+                pool_options().get_idle_timeout(),
+                pool_options().get_max_lifetime(),
+            ),
+            (
+                crate::store::postgres::pool_options().get_idle_timeout(),
+                crate::store::postgres::pool_options().get_max_lifetime(),
+            ),
+        ] {
+            assert_eq!((idle, lifetime), (None, None));
+        }
     }
 
     /// The settings docs/design.md promises ("Durability") are the ones a
