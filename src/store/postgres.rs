@@ -367,7 +367,9 @@ impl PgBackend {
     /// A transaction that takes no lock and reads nothing: the group
     /// commit's optimistic path (`group::optimistic`).
     pub(crate) fn optimistic(&self) -> PgTx {
-        PgTx::with(PgConn::Optimistic(self.pool.clone()))
+        let mut tx = PgTx::with(PgConn::Optimistic(self.pool.clone()));
+        tx.deadline = self.read_deadline;
+        tx
     }
 
     /// A read transaction: one snapshot (REPEATABLE READ) for the view,
@@ -777,10 +779,25 @@ impl PgTx {
             .bind(self.assumed.iter().map(|a| a.1).collect::<Vec<i64>>())
             .bind(absent_sessions)
             .bind(absent_ids);
-        let result = bind_writes(query, &b, self.unwritten)
-            .fetch_one(&pool)
-            .await
-            .and_then(|row| sqlx::Row::try_get::<i64, _>(&row, 0));
+        // Bounded as the locked path's writes are (the call waits for the
+        // counter's lock, up to the server's lock timeout): a server that
+        // stops answering would otherwise hold this instance's appends
+        // until the connection broke. Cut off, the call may have committed
+        // (the group answers `OutcomeUnknown`).
+        let call = bind_writes(query, &b, self.unwritten).fetch_one(&pool);
+        let result = match self.deadline.map(|d| d + LOCK_TIMEOUT) {
+            None => call.await,
+            Some(limit) => match tokio::time::timeout(limit, call).await {
+                Ok(r) => r,
+                Err(_) => {
+                    return Err(OptimisticMiss::Failed(Error::Unavailable(format!(
+                        "PostgreSQL did not answer the append within {} s: the server may be stopped or cut off",
+                        limit.as_secs_f64()
+                    ))))
+                }
+            },
+        }
+        .and_then(|row| sqlx::Row::try_get::<i64, _>(&row, 0));
         match result {
             Ok(base) => Ok(base),
             // Only the function's own checks and a stored event id say
