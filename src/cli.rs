@@ -525,29 +525,20 @@ pub struct AtSeq {
     typed: Option<String>,
 }
 
-impl AtSeq {
-    /// The store's answer at this seq, an out-of-range error naming the
-    /// number the user typed rather than the `i64` it was read as.
-    fn answer<T>(&self, r: Result<T, Error>) -> Result<T, CliError> {
-        match (r, &self.typed) {
-            (
-                Err(Error::SeqOutOfRange {
-                    session_id, latest, ..
-                }),
-                Some(typed),
-            ) => Err(CliError::Input(format!(
-                "seq {typed} is out of range for session {session_id}, whose events are 1 to {latest}"
-            ))),
-            (r, _) => Ok(r?),
-        }
-    }
-}
-
-/// The store's answer at `at` (a `--at-seq` or none).
+/// The store's answer at `at` (a `--at-seq` or none): an out-of-range
+/// error names the number the user typed rather than the `i64` it was
+/// read as.
 fn at_answer<T>(at: Option<&AtSeq>, r: Result<T, Error>) -> Result<T, CliError> {
-    match at {
-        Some(at) => at.answer(r),
-        None => Ok(r?),
+    match (r, at.and_then(|a| a.typed.as_ref())) {
+        (
+            Err(Error::SeqOutOfRange {
+                session_id, latest, ..
+            }),
+            Some(typed),
+        ) => Err(CliError::Input(format!(
+            "seq {typed} is out of range for session {session_id}, whose events are 1 to {latest}"
+        ))),
+        (r, _) => Ok(r?),
     }
 }
 
