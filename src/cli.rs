@@ -380,6 +380,12 @@ pub struct ServeArgs {
     /// 503 `busy`. At least 1 MiB.
     #[arg(long, default_value_t = crate::server::DEFAULT_RESPONSE_MEMORY as u64, value_parser = clap::value_parser!(u64).range(1 << 20..))]
     pub response_memory: u64,
+    /// Bytes the cached session states may hold (about: each state is
+    /// weighed by its window's texts and values); past it the least
+    /// recently used are dropped and read again when next needed. One
+    /// state larger than this is still kept, alone. At least 1 MiB.
+    #[arg(long, default_value_t = crate::store::DEFAULT_STATE_CACHE_BYTES as u64, value_parser = clap::value_parser!(u64).range(1 << 20..))]
+    pub state_cache_memory: u64,
 }
 
 /// Which backends `bench` measures.
@@ -706,7 +712,7 @@ fn load_tokens(file: Option<&PathBuf>) -> Result<Option<crate::server::Tokens>, 
 
 async fn serve(
     database: &str,
-    options: StoreOptions,
+    mut options: StoreOptions,
     args: ServeArgs,
     out: &mut dyn Write,
 ) -> Result<(), CliError> {
@@ -730,6 +736,7 @@ async fn serve(
         max_connections: args.max_connections as usize,
         response_memory: usize::try_from(args.response_memory).unwrap_or(usize::MAX),
     };
+    options.state_cache_bytes = usize::try_from(args.state_cache_memory).unwrap_or(usize::MAX);
     let store = std::sync::Arc::new(Store::open_with(database, options).await?);
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await

@@ -128,7 +128,99 @@ pub const EVENT_TYPES: [&str; 8] = [
     "mode_switched",
 ];
 
+/// The bytes the allocator hands out for `len` bytes of heap: glibc's
+/// chunks carry an 8-byte header and are multiples of 16, at least 32.
+fn allocated(len: usize) -> usize {
+    match len {
+        0 => 0,
+        n => ((n + 8 + 15) & !15).max(32),
+    }
+}
+
+/// What one entry of a JSON map takes in its `BTreeMap`'s nodes: its key
+/// and value, and about half as much again of nodes' slack and links.
+const MAP_ENTRY_BYTES: usize =
+    (std::mem::size_of::<String>() + std::mem::size_of::<Value>()) * 3 / 2;
+
+/// [`value_heap_bytes`] of a map.
+fn map_heap_bytes(map: &Map<String, Value>) -> usize {
+    map.iter()
+        .map(|(key, item)| MAP_ENTRY_BYTES + allocated(key.len()) + value_heap_bytes(item))
+        .sum()
+}
+
+/// About how many heap bytes `value` holds beyond its own `Value`: its
+/// strings, numbers (text, with `arbitrary_precision`), arrays and maps
+/// (`BTreeMap` nodes, about half again their entries' size). Walked with
+/// an explicit stack, so a deep value cannot overflow the thread's.
+fn value_heap_bytes(value: &Value) -> usize {
+    const NUMBER_TEXT: usize = 32;
+    let mut total = 0;
+    let mut stack = vec![value];
+    while let Some(v) = stack.pop() {
+        match v {
+            Value::Null | Value::Bool(_) => {}
+            Value::Number(_) => total += NUMBER_TEXT,
+            Value::String(s) => total += allocated(s.len()),
+            Value::Array(items) => {
+                total += allocated(items.len() * std::mem::size_of::<Value>());
+                stack.extend(items);
+            }
+            Value::Object(map) => {
+                total += map.len() * MAP_ENTRY_BYTES;
+                for (key, item) in map {
+                    total += allocated(key.len());
+                    stack.push(item);
+                }
+            }
+        }
+    }
+    total
+}
+
 impl EventBody {
+    /// About how many bytes this body holds on the heap (its texts,
+    /// names and JSON values): what a cached session state is weighed by
+    /// (the store's state cache has a byte budget), an estimate rather
+    /// than a count.
+    pub fn heap_bytes(&self) -> usize {
+        let names = |names: &[String]| {
+            allocated(std::mem::size_of_val(names))
+                + names.iter().map(|n| allocated(n.len())).sum::<usize>()
+        };
+        match self {
+            EventBody::SessionStarted { mode, metadata } => {
+                allocated(mode.len()) + metadata.as_ref().map_or(0, map_heap_bytes)
+            }
+            EventBody::CatalogDefined {
+                mode,
+                deferred_tools,
+            } => allocated(mode.len()) + names(deferred_tools),
+            EventBody::PromptSubmitted { text } | EventBody::AssistantMessage { text } => {
+                allocated(text.len())
+            }
+            EventBody::ToolCall {
+                call_id,
+                tool_name,
+                input,
+            } => allocated(call_id.len()) + allocated(tool_name.len()) + value_heap_bytes(input),
+            EventBody::ToolResult {
+                call_id,
+                tool_name,
+                output,
+                added_tool_names,
+                ..
+            } => {
+                allocated(call_id.len())
+                    + allocated(tool_name.len())
+                    + output.as_ref().map_or(0, value_heap_bytes)
+                    + added_tool_names.as_deref().map_or(0, names)
+            }
+            EventBody::Compaction { summary, .. } => allocated(summary.len()),
+            EventBody::ModeSwitched { mode } => allocated(mode.len()),
+        }
+    }
+
     /// The `type` tag of this event.
     pub fn type_name(&self) -> &'static str {
         match self {

@@ -61,6 +61,17 @@ pub struct SessionState {
     /// empty, and a compaction needs the seq of the row it keeps from
     /// ([`SessionState::apply_rowless`]).
     rowless: bool,
+    /// About how many bytes `rows` hold ([`row_bytes`] each), kept as rows
+    /// come and go: [`SessionState::approx_bytes`] is read at each cache
+    /// insert, and a walk of a long window there would cost what the
+    /// append it follows does.
+    row_bytes: usize,
+}
+
+/// About how many bytes one row of the window takes: the event and what
+/// its body holds on the heap.
+fn row_bytes(row: &StoredEvent) -> usize {
+    std::mem::size_of::<StoredEvent>() + row.body.heap_bytes()
 }
 
 /// The state of a session at its latest refresh point (SEMANTICS §8), as the
@@ -209,6 +220,7 @@ impl SessionState {
             calls: HashMap::new(),
             evidence: BTreeMap::new(),
             rowless: false,
+            row_bytes: 0,
         }
     }
 
@@ -232,6 +244,7 @@ impl SessionState {
     /// order, so a name's last insert is its largest seq.
     fn push_row(&mut self, row: StoredEvent) {
         note_evidence(&mut self.evidence, &row);
+        self.row_bytes += row_bytes(&row);
         self.rows.push(row);
     }
 
@@ -267,6 +280,7 @@ impl SessionState {
         for row in &mut self.rows {
             shed(&mut row.body);
         }
+        self.row_bytes = self.rows.iter().map(row_bytes).sum();
     }
 
     /// [`SessionState::apply_owned`] followed by
@@ -316,7 +330,8 @@ impl SessionState {
                     .get(keep_from)
                     .map(|r| r.seq)
                     .unwrap_or(event.seq + 1);
-                self.rows.drain(..keep_from);
+                let gone: usize = self.rows.drain(..keep_from).map(|r| row_bytes(&r)).sum();
+                self.row_bytes = self.row_bytes.saturating_sub(gone);
                 // Evidence of the dropped rows no longer counts (§7).
                 self.evidence.clear();
                 for row in &self.rows {
@@ -382,6 +397,29 @@ impl SessionState {
         state
     }
 
+    /// This state without its window's rows and calls, as
+    /// [`SessionState::from_view_without_rows`] would build it at the same
+    /// seq (the evidence is kept in step with the rows, so it is the
+    /// same): what an activation set or a paged context needs of a long
+    /// cached window, without copying every row's text.
+    pub(crate) fn without_rows(&self) -> SessionState {
+        SessionState {
+            session_id: self.session_id,
+            seq: self.seq,
+            started: self.started,
+            mode: self.mode.clone(),
+            catalogs: self.catalogs.clone(),
+            compaction: self.compaction.clone(),
+            window_start: self.window_start,
+            refresh_seq: self.refresh_seq,
+            rows: Vec::new(),
+            calls: HashMap::new(),
+            evidence: self.evidence.clone(),
+            rowless: true,
+            row_bytes: 0,
+        }
+    }
+
     /// The rowless state of a session with no events: a fold from seq 1
     /// that answers activation sets, and views, without holding the
     /// window's rows (a session never compacted has its whole log as its
@@ -390,6 +428,33 @@ impl SessionState {
         let mut state = SessionState::empty(session_id);
         state.rowless = true;
         state
+    }
+
+    /// About how many bytes this state holds: its window's rows with their
+    /// texts and values (most of it), the calls it keeps, the evidence
+    /// and catalogs. An estimate (allocator and map overheads are
+    /// guessed), kept in step with the rows rather than walked, so it
+    /// costs the same for any window; what the store's state cache is
+    /// bounded by ([`crate::StoreOptions::state_cache_bytes`]).
+    pub fn approx_bytes(&self) -> usize {
+        /// A call id, tool name and the map entry holding them.
+        const CALL_BYTES: usize = 160;
+        /// A name with evidence and its seq in the `BTreeMap`.
+        const EVIDENCE_BYTES: usize = 96;
+        let catalogs: usize = self
+            .catalogs
+            .iter()
+            .map(|(mode, (tools, _))| {
+                64 + mode.len() + tools.iter().map(|t| 48 + t.len()).sum::<usize>()
+            })
+            .sum();
+        std::mem::size_of::<SessionState>()
+            + self.row_bytes
+            + (self.rows.capacity() - self.rows.len()) * std::mem::size_of::<StoredEvent>()
+            + self.calls.len() * CALL_BYTES
+            + self.evidence.len() * EVIDENCE_BYTES
+            + catalogs
+            + self.compaction.as_ref().map_or(0, |(s, _)| s.len())
     }
 
     /// Whether this state lacks the window's rows (and so needs

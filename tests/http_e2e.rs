@@ -278,25 +278,33 @@ fn serve_refuses_a_public_address_without_tokens() {
 /// `--listen` takes a host name as well as an IP (resolved once, to a
 /// loopback address for `localhost`, so no tokens are needed), and an
 /// address that is neither is a usage error naming the flag and the value.
-#[test]
-fn serve_listens_on_a_host_name() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("s.db");
+/// `serve` of the SQLite store `db` with `args` and no tokens, and the
+/// first line it printed.
+fn serve_without_tokens(db: &std::path::Path, args: &[&str]) -> (Child, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_session-store"))
         .arg("--database")
-        .arg(&db)
-        .args(["serve", "--listen", "localhost:0"])
+        .arg(db)
+        .arg("serve")
+        .args(args)
         .env_remove("SESSION_STORE_TOKENS")
         .env_remove("SESSION_STORE_TOKENS_FILE")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+        .stderr(Stdio::inherit())
         .spawn()
         .unwrap();
     let mut line = String::new();
     BufReader::new(child.stdout.take().unwrap())
         .read_line(&mut line)
         .unwrap();
+    (child, line)
+}
+
+#[test]
+fn serve_listens_on_a_host_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("s.db");
+    let (mut child, line) = serve_without_tokens(&db, &["--listen", "localhost:0"]);
     child.kill().unwrap();
     child.wait().unwrap();
     assert!(
@@ -317,4 +325,74 @@ fn serve_listens_on_a_host_name() {
         err.contains(r#""localhost" is not an address to listen on (IP:PORT or HOST:PORT)"#),
         "{err}"
     );
+}
+
+/// `--state-cache-memory` bounds what the server's cached session states
+/// hold: appends to sessions of about 400 KB each, past a budget of 1 MiB,
+/// leave at most that cached, and `/metrics` counts the states dropped.
+/// Below 1 MiB the flag is refused by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_keeps_its_states_within_state_cache_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("s.db");
+    let (mut child, line) = serve_without_tokens(
+        &db,
+        &["--listen", "127.0.0.1:0", "--state-cache-memory", "1048576"],
+    );
+    let base = line
+        .split_whitespace()
+        .find(|w| w.starts_with("http://"))
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_owned();
+    let client = reqwest::Client::new();
+    let text = "w".repeat(400_000);
+    for _ in 0..6 {
+        let batch = json!({"expected_seq": 0, "events": [
+            {"type": "session_started", "mode": "code"},
+            {"type": "prompt_submitted", "text": text}
+        ]});
+        let r = client
+            .post(format!("{base}/v1/sessions/{}/events", Uuid::new_v4()))
+            .json(&batch)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 201);
+    }
+    let metrics = client
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let figure = |name: &str| -> u64 {
+        let prefix = format!("session_store_{name}{{cache=\"rows\"}} ");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .unwrap_or_else(|| panic!("no {prefix} in {metrics}"))
+            .parse()
+            .unwrap()
+    };
+    let bytes = figure("state_cache_bytes");
+    assert!(
+        (800_000..=1_048_576).contains(&bytes),
+        "{bytes} bytes cached"
+    );
+    assert_eq!(figure("state_cache_sessions"), 2);
+    assert_eq!(figure("state_cache_evictions_total"), 4);
+
+    let out = Command::new(env!("CARGO_BIN_EXE_session-store"))
+        .arg("--database")
+        .arg(&db)
+        .args(["serve", "--state-cache-memory", "1000"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--state-cache-memory"), "{err}");
 }

@@ -415,6 +415,28 @@ both_backends!(every_documented_status, |url: String| async move {
         assert!(text.contains(&line), "{line} in {text}");
     }
     assert!(paths.locked >= 1, "{paths:?}");
+    // The state caches, as the store weighs them at the scrape (nothing
+    // was appended or read since).
+    let (rows, rowless) = store.state_cache_usage();
+    assert!(rows.sessions >= 1 && rows.bytes > 0, "{rows:?}");
+    for (cache, usage) in [("rows", rows), ("rowless", rowless)] {
+        for line in [
+            format!(
+                "session_store_state_cache_sessions{{cache=\"{cache}\"}} {}\n",
+                usage.sessions
+            ),
+            format!(
+                "session_store_state_cache_bytes{{cache=\"{cache}\"}} {}\n",
+                usage.bytes
+            ),
+            format!(
+                "session_store_state_cache_evictions_total{{cache=\"{cache}\"}} {}\n",
+                usage.evicted
+            ),
+        ] {
+            assert!(text.contains(&line), "{line} in {text}");
+        }
+    }
     assert!(
         text.contains("session_store_appended_events_total 6"),
         "{text}"

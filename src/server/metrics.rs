@@ -14,6 +14,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+use crate::store::CacheUsage;
+
 /// The outcome of one append request.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabel {
@@ -26,6 +28,13 @@ pub struct OutcomeLabel {
 pub struct PathLabel {
     /// `locked`, `optimistic`, `optimistic_abandoned`.
     pub path: String,
+}
+
+/// Which of the store's state caches (`Store::state_cache_usage`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CacheLabel {
+    /// `rows` (states with their window) or `rowless`.
+    pub cache: String,
 }
 
 /// The route of a request (the matched pattern, not the path).
@@ -61,8 +70,17 @@ pub struct Metrics {
     /// Groups of appends by how they were committed, brought up to the
     /// store's counts at each scrape (`observe_paths`).
     pub append_groups: Family<PathLabel, Counter>,
-    /// Serializes `observe_paths`, so two scrapes cannot add one increment
-    /// twice.
+    /// Cached session states by cache, set at each scrape.
+    pub state_cache_sessions: Family<CacheLabel, Gauge<i64, AtomicI64>>,
+    /// About how many bytes they hold: with
+    /// `state_cache_evictions` climbing, a sign that `--state-cache-memory`
+    /// is smaller than the sessions in use.
+    pub state_cache_bytes: Family<CacheLabel, Gauge<i64, AtomicI64>>,
+    /// States dropped to make room, brought up to the store's counts at
+    /// each scrape.
+    pub state_cache_evictions: Family<CacheLabel, Counter>,
+    /// Serializes `observe_paths` and `observe_cache`, so two scrapes
+    /// cannot add one increment twice.
     paths_sync: Mutex<()>,
 }
 
@@ -118,6 +136,24 @@ impl Metrics {
             "Groups of appends judged, one transaction each, whatever became of their appends, by path: locked (judged under the write lock), optimistic (PostgreSQL, one round trip), optimistic_abandoned (sent back to the lock: another instance wrote the session, or a refusal)",
             append_groups.clone(),
         );
+        let state_cache_sessions = Family::<CacheLabel, Gauge<i64, AtomicI64>>::default();
+        let state_cache_bytes = Family::<CacheLabel, Gauge<i64, AtomicI64>>::default();
+        let state_cache_evictions = Family::<CacheLabel, Counter>::default();
+        registry.register(
+            "state_cache_sessions",
+            "Session states this process keeps, by cache: rows (with their window) or rowless",
+            state_cache_sessions.clone(),
+        );
+        registry.register(
+            "state_cache_bytes",
+            "About how many bytes the cached session states hold, by cache (bounded by --state-cache-memory each)",
+            state_cache_bytes.clone(),
+        );
+        registry.register(
+            "state_cache_evictions",
+            "Session states dropped to keep the cache within its sessions and bytes, by cache",
+            state_cache_evictions.clone(),
+        );
         Metrics {
             registry: Mutex::new(registry),
             appends,
@@ -129,6 +165,9 @@ impl Metrics {
             subscription_lag_seconds,
             streams,
             append_groups,
+            state_cache_sessions,
+            state_cache_bytes,
+            state_cache_evictions,
             paths_sync: Mutex::new(()),
         }
     }
@@ -151,6 +190,29 @@ impl Metrics {
             let seen = counter.get();
             if count > seen {
                 counter.inc_by(count - seen);
+            }
+        }
+    }
+
+    /// Sets the state cache figures to what the store's caches hold.
+    pub fn observe_cache(&self, (rows, rowless): (CacheUsage, CacheUsage)) {
+        let Ok(_guard) = self.paths_sync.lock() else {
+            return;
+        };
+        for (cache, usage) in [("rows", rows), ("rowless", rowless)] {
+            let label = CacheLabel {
+                cache: cache.to_owned(),
+            };
+            self.state_cache_sessions
+                .get_or_create(&label)
+                .set(i64::try_from(usage.sessions).unwrap_or(i64::MAX));
+            self.state_cache_bytes
+                .get_or_create(&label)
+                .set(i64::try_from(usage.bytes).unwrap_or(i64::MAX));
+            let counter = self.state_cache_evictions.get_or_create(&label);
+            let seen = counter.get();
+            if usage.evicted > seen {
+                counter.inc_by(usage.evicted - seen);
             }
         }
     }

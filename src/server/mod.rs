@@ -1451,6 +1451,10 @@ async fn metrics_text(State(server): State<Server>) -> Response {
         .inner
         .metrics
         .observe_paths(server.inner.store.append_paths());
+    server
+        .inner
+        .metrics
+        .observe_cache(server.inner.store.state_cache_usage());
     (
         [(
             header::CONTENT_TYPE,

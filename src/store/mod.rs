@@ -88,6 +88,10 @@ enum Latest {
     /// only the activation set and recovery, and is cached apart
     /// ([`Store::latest_without_rows`]).
     Rowless(SessionState),
+    /// Read from the cache, still the latest: with rows when they were
+    /// needed or are short, else without ([`SessionState::without_rows`]).
+    /// Nothing to cache again.
+    Cached(SessionState),
 }
 
 /// How many session states the cache keeps; past it the least recently
@@ -162,7 +166,20 @@ pub struct StoreOptions {
     /// every such page.
     #[doc(hidden)]
     pub window_read_bytes: usize,
+    /// About how many bytes the cached session states may hold
+    /// ([`DEFAULT_STATE_CACHE_BYTES`]); past it the least recently used
+    /// are dropped (and read again from the view when next needed). The
+    /// states of sessions read without their window are kept apart under
+    /// the same budget. One state larger than the budget is still kept,
+    /// alone: its appends would otherwise read its whole window each time
+    /// (docs/design.md, "The state cache").
+    pub state_cache_bytes: usize,
 }
+
+/// [`StoreOptions::state_cache_bytes`] unless set: 256 MiB, a few hundred
+/// sessions with windows of some MB, or one never-compacted session of
+/// about 10^5 events of a few KB.
+pub const DEFAULT_STATE_CACHE_BYTES: usize = 256 << 20;
 
 impl Default for StoreOptions {
     fn default() -> Self {
@@ -177,6 +194,7 @@ impl Default for StoreOptions {
             rowless_window: ROWLESS_WINDOW,
             window_read_bytes: FOLD_PAGE_BYTES,
             create_if_missing: true,
+            state_cache_bytes: DEFAULT_STATE_CACHE_BYTES,
         }
     }
 }
@@ -698,17 +716,33 @@ pub struct Store {
 
 /// The per-session states of this process (see the module docs), shared
 /// with the group commit task.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub(crate) struct StateCache(std::sync::Arc<Mutex<Lru>>);
 
-/// The cached states and when each was last used: a full cache makes room
-/// by dropping the least recently used one (it used to drop them all, so a
-/// server with more active sessions than the cache holds read every one
-/// cold).
-#[derive(Default)]
+/// The cached states, when each was last used and about how many bytes
+/// each holds ([`SessionState::approx_bytes`]). A full cache, in sessions
+/// ([`STATE_CACHE_SESSIONS`]) or in bytes (its budget), makes room by
+/// dropping the least recently used states. It used to drop them all, so
+/// a server with more active sessions than the cache holds read every one
+/// cold; and it used to count only sessions, so fifty never-compacted
+/// sessions of a few hundred MB each took a server to 12 GB.
 pub(crate) struct Lru {
-    states: HashMap<Uuid, (Warm, u64)>,
+    states: HashMap<Uuid, Cached>,
     tick: u64,
+    /// The sum of the entries' `bytes`.
+    bytes: usize,
+    /// The most `bytes` may reach, except by one state that alone is
+    /// larger (see [`StateCache::put`]).
+    budget: usize,
+    /// States dropped to make room, since the process started.
+    evicted: u64,
+}
+
+/// One entry of [`Lru`].
+struct Cached {
+    warm: Warm,
+    used: u64,
+    bytes: usize,
 }
 
 impl Lru {
@@ -716,6 +750,40 @@ impl Lru {
         self.tick += 1;
         self.tick
     }
+
+    fn remove(&mut self, session_id: &Uuid) -> Option<Warm> {
+        let entry = self.states.remove(session_id)?;
+        self.bytes = self.bytes.saturating_sub(entry.bytes);
+        Some(entry.warm)
+    }
+
+    /// Drops the least recently used state; false when there is none.
+    fn evict_oldest(&mut self) -> bool {
+        let oldest = self
+            .states
+            .iter()
+            .min_by_key(|(_, c)| c.used)
+            .map(|(k, _)| *k);
+        match oldest {
+            Some(id) => {
+                self.remove(&id);
+                self.evicted += 1;
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// What a state cache holds, for operators (`/metrics`) and tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheUsage {
+    /// Sessions whose state is cached.
+    pub sessions: usize,
+    /// About how many bytes their states hold.
+    pub bytes: usize,
+    /// States dropped to make room since the process started.
+    pub evicted: u64,
 }
 
 /// A cached session state and, when an append of this process left it,
@@ -743,23 +811,37 @@ pub(crate) struct Known {
 }
 
 impl StateCache {
+    /// An empty cache whose states may hold about `budget` bytes.
+    pub(crate) fn new(budget: usize) -> StateCache {
+        StateCache(std::sync::Arc::new(Mutex::new(Lru {
+            states: HashMap::new(),
+            tick: 0,
+            bytes: 0,
+            budget,
+            evicted: 0,
+        })))
+    }
+
     /// A copy of the session's state (for reads).
     fn get(&self, session_id: Uuid) -> Option<SessionState> {
+        self.peek(session_id, SessionState::clone)
+    }
+
+    /// What `read` makes of the session's cached state, without copying
+    /// the state: a read that needs only part of it (the activation set
+    /// of a long window) would otherwise copy every row's text.
+    fn peek<R>(&self, session_id: Uuid, read: impl FnOnce(&SessionState) -> R) -> Option<R> {
         let mut m = self.0.lock().ok()?;
         let tick = m.next_tick();
-        m.states.get_mut(&session_id).map(|(w, used)| {
-            *used = tick;
-            w.state.clone()
+        m.states.get_mut(&session_id).map(|c| {
+            c.used = tick;
+            read(&c.warm.state)
         })
     }
 
     /// The session's state, taken out (for an append, under the write lock).
     pub(crate) fn take(&self, session_id: Uuid) -> Option<Warm> {
-        self.0
-            .lock()
-            .ok()
-            .and_then(|mut m| m.states.remove(&session_id))
-            .map(|(w, _)| w)
+        self.0.lock().ok().and_then(|mut m| m.remove(&session_id))
     }
 
     /// Caches a state, keeping only the calls of its effective window (a
@@ -769,22 +851,33 @@ impl StateCache {
     /// window rather than of its history. A compaction's check needs the
     /// calls of the window's results, so those stay too (else an
     /// optimistic append would take them as absent and always fail).
+    ///
+    /// Room is made by dropping the least recently used states until the
+    /// new one fits the budget; a state larger than the whole budget is
+    /// kept alone. Dropping it too would make each append to its session
+    /// read the whole window again (seconds for a never-compacted session
+    /// of 10^6 events), while keeping it costs no more than that append
+    /// holds anyway; so the cache holds at most the budget or its largest
+    /// state, whichever is more.
     pub(crate) fn put(&self, mut warm: Warm) {
         warm.state.forget_calls_outside_window();
+        let bytes = warm.state.approx_bytes();
         if let Ok(mut m) = self.0.lock() {
             let id = warm.state.session_id;
-            if m.states.len() >= STATE_CACHE_SESSIONS && !m.states.contains_key(&id) {
-                let oldest = m
-                    .states
-                    .iter()
-                    .min_by_key(|(_, (_, used))| *used)
-                    .map(|(k, _)| *k);
-                if let Some(oldest) = oldest {
-                    m.states.remove(&oldest);
-                }
-            }
+            m.remove(&id);
+            while (m.states.len() >= STATE_CACHE_SESSIONS || m.bytes + bytes > m.budget)
+                && m.evict_oldest()
+            {}
             let tick = m.next_tick();
-            m.states.insert(id, (warm, tick));
+            m.states.insert(
+                id,
+                Cached {
+                    warm,
+                    used: tick,
+                    bytes,
+                },
+            );
+            m.bytes += bytes;
         }
     }
 
@@ -794,8 +887,8 @@ impl StateCache {
         let known = self.0.lock().ok().and_then(|mut m| {
             m.states
                 .get_mut(&state.session_id)
-                .filter(|(w, _)| w.state.seq == state.seq)
-                .and_then(|(w, _)| w.known.take())
+                .filter(|c| c.warm.state.seq == state.seq)
+                .and_then(|c| c.warm.known.take())
         });
         self.put(Warm { state, known });
     }
@@ -807,7 +900,19 @@ impl StateCache {
     fn clear(&self) {
         if let Ok(mut m) = self.0.lock() {
             m.states.clear();
+            m.bytes = 0;
         }
+    }
+
+    fn usage(&self) -> CacheUsage {
+        self.0
+            .lock()
+            .map(|m| CacheUsage {
+                sessions: m.states.len(),
+                bytes: m.bytes,
+                evicted: m.evicted,
+            })
+            .unwrap_or_default()
     }
 }
 
@@ -854,9 +959,9 @@ impl Store {
         };
         let store = Store {
             backend,
+            states: StateCache::new(options.state_cache_bytes),
+            rowless: StateCache::new(options.state_cache_bytes),
             options,
-            states: StateCache::default(),
-            rowless: StateCache::default(),
             paths: Default::default(),
             queue: Mutex::new(Vec::new()),
             writer: Default::default(),
@@ -1160,9 +1265,13 @@ impl Store {
     /// Errors: [`Error::SessionNotFound`], [`Error::SeqOutOfRange`].
     pub async fn state(&self, session_id: Uuid, at_seq: Option<i64>) -> Result<SessionState> {
         if at_seq.is_none() {
-            if let Some(Latest::Full(state)) = self.latest_fast(session_id, Needs::Rows).await? {
-                self.cache_state(state.clone());
-                return Ok(state);
+            match self.latest_fast(session_id, Needs::Rows).await? {
+                Some(Latest::Full(state)) => {
+                    self.cache_state(state.clone());
+                    return Ok(state);
+                }
+                Some(Latest::Cached(state)) => return Ok(state),
+                _ => {}
             }
         }
         self.state_read(session_id, at_seq).await
@@ -1202,6 +1311,7 @@ impl Store {
                 self.rowless.put_read(state.clone());
                 Ok(state)
             }
+            Some(Latest::Cached(state)) => Ok(state),
             None => self.state_read(session_id, None).await,
         }
     }
@@ -1289,7 +1399,11 @@ impl Store {
         from_view: bool,
         rows: bool,
     ) -> Result<SessionState> {
-        let cached = self.cached_state(session_id);
+        // A read without rows takes none from the cache either.
+        let cached = match rows {
+            true => self.cached_state(session_id),
+            false => self.states.peek(session_id, SessionState::without_rows),
+        };
         match &self.backend {
             Backend::Sqlite(b) => {
                 let tx = b.begin_read().await?;
@@ -1390,11 +1504,23 @@ impl Store {
     /// more than a page after the view) leaves it to the transactional
     /// path.
     async fn latest_fast(&self, session_id: Uuid, needs: Needs) -> Result<Option<Latest>> {
-        if let Some(cached) = self.cached_state(session_id) {
-            let head = self.head_seq(session_id).await?;
-            return Ok((head == cached.seq).then_some(Latest::Full(cached)));
-        }
         let max_window = self.max_window(needs);
+        // Rows are copied out only when needed, or when the cold read
+        // would have read them too (a short window, within its bytes): a
+        // never-compacted session's window, cached by its appends, was
+        // copied whole for each activation set.
+        let cached = self.states.peek(session_id, |state| {
+            let long = state.seq - state.window_start + 1 > max_window
+                || state.approx_bytes() > self.options.window_read_bytes;
+            match needs == Needs::Evidence && long {
+                true => state.without_rows(),
+                false => state.clone(),
+            }
+        });
+        if let Some(cached) = cached {
+            let head = self.head_seq(session_id).await?;
+            return Ok((head == cached.seq).then_some(Latest::Cached(cached)));
+        }
         let Some((view, events, cut)) = self.view_and_window(session_id, needs).await? else {
             return Ok(None);
         };
@@ -1539,6 +1665,14 @@ impl Store {
     /// [`AppendPaths`]).
     pub fn append_paths(&self) -> AppendPaths {
         self.paths.snapshot()
+    }
+
+    /// What the cache of session states holds now: those with their
+    /// window's rows (every session this process appended to or read the
+    /// context of), and apart, those read without them
+    /// ([`StoreOptions::state_cache_bytes`] bounds each).
+    pub fn state_cache_usage(&self) -> (CacheUsage, CacheUsage) {
+        (self.states.usage(), self.rowless.usage())
     }
 
     /// Drops every cached session state, so the next call reads the
@@ -2546,7 +2680,7 @@ mod cache_tests {
     /// A full cache drops the state used longest ago, not every state.
     #[test]
     fn a_full_cache_drops_the_least_recently_used_state() {
-        let cache = StateCache::default();
+        let cache = StateCache::new(usize::MAX);
         let ids: Vec<Uuid> = (0..STATE_CACHE_SESSIONS).map(|_| Uuid::new_v4()).collect();
         for id in &ids {
             cache.put(Warm {
@@ -2569,5 +2703,99 @@ mod cache_tests {
         );
         let kept = ids.iter().filter(|id| cache.get(**id).is_some()).count();
         assert_eq!(kept, STATE_CACHE_SESSIONS - 1);
+        assert_eq!(cache.usage().evicted, 1);
+    }
+
+    /// A started session whose window is one prompt of `text_bytes`.
+    fn state_with_prompt(text_bytes: usize) -> SessionState {
+        let session = Uuid::new_v4();
+        let event = |seq: i64, body: EventBody| StoredEvent {
+            session_id: session,
+            seq,
+            event_id: Uuid::new_v4(),
+            position: seq,
+            recorded_at: Utc::now(),
+            body,
+        };
+        let events = [
+            event(
+                1,
+                EventBody::SessionStarted {
+                    mode: "agent".into(),
+                    metadata: None,
+                },
+            ),
+            event(
+                2,
+                EventBody::PromptSubmitted {
+                    text: "x".repeat(text_bytes),
+                },
+            ),
+        ];
+        SessionState::fold(session, &events)
+    }
+
+    fn warm(state: SessionState) -> Warm {
+        Warm { state, known: None }
+    }
+
+    /// The budget bounds the bytes, not only the sessions: the least
+    /// recently used states go until the newcomer fits, and the figures
+    /// follow.
+    #[test]
+    fn a_cache_over_its_bytes_drops_the_least_recently_used_states() {
+        let cache = StateCache::new(1 << 20);
+        let states: Vec<SessionState> = (0..4).map(|_| state_with_prompt(300 << 10)).collect();
+        let ids: Vec<Uuid> = states.iter().map(|s| s.session_id).collect();
+        for s in &states {
+            cache.put(warm(s.clone()));
+        }
+        // Four of about 300 KiB do not fit in 1 MiB: the first went.
+        assert!(cache.get(ids[0]).is_none());
+        assert!(ids[1..].iter().all(|id| cache.get(*id).is_some()));
+        let usage = cache.usage();
+        assert_eq!((usage.sessions, usage.evicted), (3, 1));
+        let expected: usize = states[1..].iter().map(|s| s.clone().approx_bytes()).sum();
+        assert_eq!(usage.bytes, expected);
+        assert!(usage.bytes <= 1 << 20 && usage.bytes > 900 << 10);
+        // Read the second again: the third is now the oldest, and a state
+        // of 600 KiB needs both the third and fourth gone.
+        assert!(cache.get(ids[1]).is_some());
+        let big = state_with_prompt(600 << 10);
+        let big_id = big.session_id;
+        cache.put(warm(big));
+        assert!(cache.get(ids[1]).is_some(), "the recently read state stays");
+        assert!(cache.get(ids[2]).is_none() && cache.get(ids[3]).is_none());
+        assert!(cache.get(big_id).is_some());
+        assert_eq!(cache.usage().evicted, 3);
+        // Taking a state out and clearing give their bytes back.
+        let taken = cache.take(big_id).expect("cached");
+        assert_eq!(cache.usage().bytes, states[1].clone().approx_bytes());
+        cache.put(taken);
+        cache.clear();
+        assert_eq!(cache.usage().bytes, 0);
+    }
+
+    /// A state larger than the whole budget is kept, alone, rather than
+    /// read whole again by each append to its session.
+    #[test]
+    fn a_state_larger_than_the_budget_is_kept_alone() {
+        let cache = StateCache::new(1 << 20);
+        let small = state_with_prompt(10 << 10);
+        let small_id = small.session_id;
+        cache.put(warm(small));
+        let huge = state_with_prompt(3 << 20);
+        let huge_id = huge.session_id;
+        cache.put(warm(huge));
+        assert!(cache.get(huge_id).is_some());
+        assert!(cache.get(small_id).is_none());
+        assert_eq!(cache.usage().sessions, 1);
+        assert!(cache.usage().bytes > 3 << 20);
+        // Putting the same session again replaces it, counted once.
+        let again = cache.take(huge_id).expect("cached");
+        cache.put(warm(again.state.clone()));
+        cache.put(warm(again.state));
+        assert_eq!(cache.usage().sessions, 1);
+        assert_eq!(cache.usage().evicted, 1);
     }
 }

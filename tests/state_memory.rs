@@ -1,0 +1,250 @@
+//! What the store's cached session states cost in memory, counted by a
+//! global allocator of this test binary: the estimate the cache is bounded
+//! by stays near what a state really allocates, a store keeps its states
+//! within the budget it was given, and a read that needs no rows copies
+//! none out of a long cached window.
+//!
+//! The tests take one lock: the allocator counts every thread, so two
+//! tests at once would count each other.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use serde_json::json;
+use session_store::{
+    EventBody, NewEvent, SessionState, Store, StoreOptions, StoredEvent, ToolStatus,
+};
+use uuid::Uuid;
+
+mod common;
+
+/// The system allocator, counting the bytes live and their peak.
+struct Counting;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            let now = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
+            PEAK.fetch_max(now, Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) };
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// The most bytes live above the current ones while `f` runs.
+async fn peak_during<R>(f: impl std::future::Future<Output = R>) -> (R, usize) {
+    let base = LIVE.load(Ordering::Relaxed);
+    PEAK.store(base, Ordering::Relaxed);
+    let r = f.await;
+    (r, PEAK.load(Ordering::Relaxed).saturating_sub(base))
+}
+
+/// `n` events of a coding agent's session, never compacted, after its
+/// start: turns of a prompt, two tool calls with JSON inputs answered by
+/// results of 1–6 KB (as the bench's mix), and a reply.
+fn never_compacted(seed: u64, n: usize) -> Vec<NewEvent> {
+    let words = |len: usize, salt: usize| -> String {
+        let mut text = String::with_capacity(len + 8);
+        let mut i = salt.wrapping_mul(2_654_435_761) ^ seed as usize;
+        while text.len() < len {
+            i = i.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            text.push_str(["read ", "the ", "file ", "src/lib.rs ", "fn ", "42 "][(i >> 33) % 6]);
+        }
+        text
+    };
+    let mut events = vec![NewEvent::new(EventBody::SessionStarted {
+        mode: "agent".into(),
+        metadata: None,
+    })];
+    let mut turn = 0;
+    while events.len() < n + 1 {
+        turn += 1;
+        events.push(NewEvent::new(EventBody::PromptSubmitted {
+            text: words(80 + turn * 37 % 500, turn),
+        }));
+        for k in 0..2 {
+            let call_id = format!("call-{turn}-{k}");
+            events.push(NewEvent::new(EventBody::ToolCall {
+                call_id: call_id.clone(),
+                tool_name: "read_file".into(),
+                input: json!({"path": format!("src/{turn}/{k}.rs"), "lines": [1, 200], "follow": true}),
+            }));
+            events.push(NewEvent::new(EventBody::ToolResult {
+                call_id,
+                tool_name: "read_file".into(),
+                status: ToolStatus::Success,
+                output: Some(json!(words(1_000 + (turn * 7 + k) * 131 % 5_000, turn + k))),
+                added_tool_names: None,
+            }));
+        }
+        events.push(NewEvent::new(EventBody::AssistantMessage {
+            text: words(200 + turn * 53 % 1_300, turn + 7),
+        }));
+    }
+    events.truncate(n + 1);
+    events
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Appends `events` to a new session in batches of 100; its id.
+async fn append_all(store: &Store, events: Vec<NewEvent>) -> Uuid {
+    let session = Uuid::new_v4();
+    let mut seq = 0;
+    let mut events = events.into_iter().peekable();
+    while events.peek().is_some() {
+        let batch: Vec<NewEvent> = events.by_ref().take(100).collect();
+        let n = batch.len() as i64;
+        store.append(session, seq, batch).await.unwrap();
+        seq += n;
+    }
+    session
+}
+
+/// The estimate is within a third of what folding the rows allocated
+/// (the rows, their texts and JSON values, the calls and evidence).
+#[test]
+fn a_states_estimate_is_near_what_it_allocates() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let session = Uuid::new_v4();
+    let stored: Vec<StoredEvent> = never_compacted(3, 3_000)
+        .into_iter()
+        .enumerate()
+        .map(|(i, e)| StoredEvent {
+            session_id: session,
+            seq: i as i64 + 1,
+            event_id: e.event_id.unwrap_or_else(Uuid::new_v4),
+            position: i as i64 + 1,
+            recorded_at: chrono::Utc::now(),
+            body: e.body,
+        })
+        .collect();
+    let before = LIVE.load(Ordering::Relaxed);
+    let state = SessionState::fold(session, &stored);
+    let allocated = LIVE.load(Ordering::Relaxed) - before;
+    let estimate = state.approx_bytes();
+    let ratio = estimate as f64 / allocated as f64;
+    assert!(
+        allocated > 3_000_000,
+        "the window of 3 000 events allocated only {allocated} bytes"
+    );
+    assert!(
+        (0.75..1.33).contains(&ratio),
+        "estimate {estimate} bytes against {allocated} allocated (ratio {ratio:.2})"
+    );
+}
+
+/// A store given a budget keeps its states within it (the sessions are
+/// each well under it), drops the least recently used, and answers from
+/// the log as before for the sessions it dropped, appends included.
+#[test]
+fn a_store_keeps_its_states_within_the_budget() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    runtime().block_on(async {
+        let db = common::sqlite_db();
+        let options = StoreOptions {
+            state_cache_bytes: 2 << 20,
+            ..StoreOptions::default()
+        };
+        let store = Store::open_with(&db.url, options).await.unwrap();
+        let mut sessions = Vec::new();
+        for seed in 0..8 {
+            // About 700 KB each.
+            sessions.push(append_all(&store, never_compacted(seed, 300)).await);
+            let (rows, _) = store.state_cache_usage();
+            assert!(
+                rows.bytes <= 2 << 20,
+                "{} bytes cached after {} sessions, over the 2 MiB budget",
+                rows.bytes,
+                seed + 1
+            );
+        }
+        let (rows, _) = store.state_cache_usage();
+        assert!(rows.evicted >= 5, "{rows:?}");
+        assert!((1..=3).contains(&rows.sessions), "{rows:?}");
+        // Dropped or not, every session answers as its log folds, and
+        // takes appends.
+        for (i, session) in sessions.iter().enumerate() {
+            let head = store.head_seq(*session).await.unwrap();
+            let more = vec![NewEvent::new(EventBody::PromptSubmitted {
+                text: format!("and now, {i}?"),
+            })];
+            store.append(*session, head, more).await.unwrap();
+            let log = store.history(*session, 0, 100_000).await.unwrap();
+            let folded = SessionState::fold(*session, &log);
+            assert_eq!(
+                store.context(*session, None).await.unwrap(),
+                folded.context()
+            );
+            assert_eq!(
+                store.activations(*session, None).await.unwrap(),
+                folded.activations()
+            );
+        }
+        assert!(store.state_cache_usage().0.bytes <= 2 << 20);
+    });
+}
+
+/// The activation set and recovery of a session whose long window its
+/// appends cached copy none of the window's rows: each read copied the
+/// whole window (megabytes, for a few thousand events of a few KB).
+#[test]
+fn reading_the_activation_set_of_a_long_cached_window_copies_no_rows() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    runtime().block_on(async {
+        let db = common::sqlite_db();
+        let store = Store::open(&db.url).await.unwrap();
+        let session = append_all(&store, never_compacted(9, 3_000)).await;
+        let (rows, _) = store.state_cache_usage();
+        assert!(rows.bytes > 5 << 20, "the window is cached: {rows:?}");
+        let expected = {
+            let log = store.history(session, 0, 100_000).await.unwrap();
+            SessionState::fold(session, &log).activations()
+        };
+        for _ in 0..3 {
+            let (tools, peak) = peak_during(store.activations(session, None)).await;
+            assert_eq!(tools.unwrap(), expected);
+            assert!(
+                peak < 1 << 20,
+                "reading the activation set took {peak} bytes at its peak"
+            );
+            let (recovery, peak) = peak_during(store.recover(session)).await;
+            assert_eq!(recovery.unwrap().latest_seq, expected.as_of_seq);
+            assert!(peak < 1 << 20, "recovering took {peak} bytes at its peak");
+            // As of a seq (the latest here, which the cached state is at).
+            let at = Some(expected.as_of_seq);
+            let (tools, peak) = peak_during(store.activations(session, at)).await;
+            assert_eq!(tools.unwrap(), expected);
+            assert!(peak < 1 << 20, "the set at a seq took {peak} bytes");
+        }
+        // The context is still whole (read in pages from the log).
+        let (head, pages) = store.context_paged(session, None).await.unwrap();
+        let mut n = head.rows.len();
+        if let Some(mut pages) = pages {
+            while let Some(page) = pages.next_page(&store).await.unwrap() {
+                n += page.len();
+            }
+        }
+        assert_eq!(n as i64, expected.as_of_seq - 1);
+    });
+}
