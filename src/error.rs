@@ -223,8 +223,11 @@ pub enum Error {
         session_id: Uuid,
         /// How many appends were tried.
         attempts: u32,
-        /// The last failure. Said in this error's message, so not also
-        /// its `source()` (a report printing the chain would say it twice).
+        /// The last failure, except that it is [`Error::OutcomeUnknown`]
+        /// whenever any attempt's outcome was unknown: that attempt may
+        /// have stored the batch, whatever the later ones found. Said in
+        /// this error's message, so not also its `source()` (a report
+        /// printing the chain would say it twice).
         last: Box<Error>,
     },
 }

@@ -929,3 +929,83 @@ fn postgres_a_modified_migration_is_refused_at_open() {
         assert!(err.contains("modified"), "{err}");
     });
 }
+
+/// An attempt that may have committed unseen stays said when the retries
+/// after it find the server gone: `RetriesExhausted`'s `last` is
+/// `OutcomeUnknown`, not the later attempts' `Unavailable` (which says
+/// nothing was stored, and the first attempt's batch is).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_retries_after_an_unknown_outcome_keep_it_unknown() {
+    let Some(server) = own_server() else { return };
+    let url = server.url();
+    Store::open(&url)
+        .await
+        .unwrap()
+        .append(Uuid::nil(), 0, vec![started()])
+        .await
+        .unwrap();
+    // The commit goes through, then the append waits past its deadline:
+    // its outcome is unknown to the caller. (The deadline is longer than
+    // the connection timeout, so that a later attempt can find the server
+    // gone before its deadline says it cannot tell.)
+    let store = Store::open_with(
+        &url,
+        StoreOptions {
+            fault_pause_after_commit: Some(Duration::from_secs(4)),
+            write_deadline: Some(Duration::from_secs(2)),
+            connect_timeout_secs: 1,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let server = std::sync::Arc::new(server);
+    let stopper = {
+        let server = server.clone();
+        let url = url.clone();
+        tokio::spawn(async move {
+            // Once the first attempt's event is stored, the server goes.
+            let reader = Store::open(&url).await.unwrap();
+            while reader.head_seq(Uuid::nil()).await.unwrap() < 2 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            drop(reader);
+            tokio::task::spawn_blocking(move || server.stop())
+                .await
+                .unwrap();
+        })
+    };
+    let policy = RetryPolicy {
+        max_attempts: 3,
+        initial_backoff: Duration::from_secs(2),
+        max_backoff: Duration::from_secs(2),
+        ..RetryPolicy::default()
+    };
+    let err = store
+        .append_at_head(Uuid::nil(), vec![prompt("stored unseen")], &policy)
+        .await
+        .unwrap_err();
+    stopper.await.unwrap();
+    match &err {
+        Error::RetriesExhausted { attempts, last, .. } => {
+            assert!(*attempts >= 2, "{attempts} attempts");
+            match &**last {
+                Error::OutcomeUnknown(why) => assert!(
+                    why.contains("did not finish the append")
+                        && why.contains("a later attempt found the storage unavailable"),
+                    "{why}"
+                ),
+                other => panic!("expected OutcomeUnknown, got {other:?}"),
+            }
+        }
+        other => panic!("expected RetriesExhausted, got {other:?}"),
+    }
+    server.launch().unwrap();
+    let log = Store::open(&url)
+        .await
+        .unwrap()
+        .history(Uuid::nil(), 0, 10)
+        .await
+        .unwrap();
+    assert_eq!(log.len(), 2, "the first attempt's event is stored, once");
+}

@@ -1148,7 +1148,10 @@ impl Store {
     /// can move it in between and the append never conflicts; the batch is
     /// validated against the session as it then stands. On unavailable
     /// storage it waits and tries again, with exponential backoff and
-    /// jitter, up to `policy.max_attempts`; then [`Error::RetriesExhausted`].
+    /// jitter, up to `policy.max_attempts`; then [`Error::RetriesExhausted`],
+    /// whose `last` is [`Error::OutcomeUnknown`] when any attempt's was
+    /// (that attempt may have stored the batch; a later one that found the
+    /// storage unavailable could not tell).
     /// Events without an id get one before the first attempt, so that a
     /// retry after a commit whose reply was lost answers idempotently
     /// instead of appending twice; give them ids yourself to make your own
@@ -1172,12 +1175,18 @@ impl Store {
         let mut backoff = policy.initial_backoff;
         let mut attempts = 0;
         let start = std::time::Instant::now();
+        // The first attempt that may have committed unseen: a later one
+        // that finds the storage unavailable does not make it less so.
+        let mut uncertain: Option<String> = None;
         loop {
             attempts += 1;
-            match self
+            let result = self
                 .append_inner(None, session_id, None, events.clone())
-                .await
-            {
+                .await;
+            if let Err(Error::OutcomeUnknown(why)) = &result {
+                uncertain.get_or_insert_with(|| why.clone());
+            }
+            match result {
                 Ok(outcome) => return Ok(outcome),
                 Err(e)
                     if e.is_retryable()
@@ -1190,11 +1199,17 @@ impl Store {
                     sleep_jittered(&mut backoff, policy).await;
                 }
                 Err(e) if e.is_retryable() => {
+                    let last = match (uncertain, e) {
+                        (Some(why), e @ Error::Unavailable(_)) => Error::OutcomeUnknown(format!(
+                            "{why}, and a later attempt found the storage unavailable ({e})"
+                        )),
+                        (_, e) => e,
+                    };
                     return Err(Error::RetriesExhausted {
                         session_id,
                         attempts,
-                        last: Box::new(e),
-                    })
+                        last: Box::new(last),
+                    });
                 }
                 Err(e) => return Err(e),
             }
