@@ -355,7 +355,13 @@ async fn postgres_restart_in_the_middle_of_a_load_loses_nothing() {
     match &err {
         Error::RetriesExhausted { attempts, last, .. } => {
             assert_eq!(*attempts, 3);
-            assert!(matches!(**last, Error::Unavailable(_)), "{last:?}");
+            // Unavailable, or OutcomeUnknown when the first attempt sent
+            // its one call on a connection the stop then cut (it cannot
+            // tell whether the server had it).
+            assert!(
+                matches!(**last, Error::Unavailable(_) | Error::OutcomeUnknown(_)),
+                "{last:?}"
+            );
         }
         other => panic!("expected RetriesExhausted, got {other:?}"),
     }
@@ -590,7 +596,12 @@ async fn postgres_retries_give_up_on_a_server_that_stays_down_within_seconds() {
     let took = start.elapsed();
     match r {
         Err(Error::RetriesExhausted { last, attempts, .. }) => {
-            assert!(matches!(*last, Error::Unavailable(_)), "{last}");
+            // (OutcomeUnknown: the first attempt's call went out on a
+            // connection the stop cut, as above.)
+            assert!(
+                matches!(*last, Error::Unavailable(_) | Error::OutcomeUnknown(_)),
+                "{last}"
+            );
             assert!(attempts < 20, "{attempts} attempts");
         }
         other => panic!("{other:?}"),
