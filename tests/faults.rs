@@ -1020,3 +1020,79 @@ async fn postgres_retries_after_an_unknown_outcome_keep_it_unknown() {
         .unwrap();
     assert_eq!(log.len(), 2, "the first attempt's event is stored, once");
 }
+
+/// A server that holds every commit (it waits for a synchronous standby
+/// that does not exist) does not hold the one-call optimistic append
+/// forever: the call is bounded by `read_deadline` and the lock timeout,
+/// and answers `OutcomeUnknown` (the commit is in the server's hands:
+/// once released, the event is stored, once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_an_optimistic_append_whose_commit_is_held_is_cut_off() {
+    let Some(server) = own_server() else { return };
+    let url = server.url();
+    let store = Store::open_with(
+        &url,
+        StoreOptions {
+            read_deadline: Some(Duration::from_secs(1)),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let session = Uuid::new_v4();
+    store.append(session, 0, vec![started()]).await.unwrap();
+    store
+        .append(session, 1, vec![prompt("cached")])
+        .await
+        .unwrap();
+    let before = store.append_paths();
+    assert!(before.optimistic >= 1, "{before:?}");
+    let admin = sqlx::PgPool::connect(&url).await.unwrap();
+    let set = |sql: &'static str| {
+        let admin = admin.clone();
+        async move {
+            sqlx::query(sql).execute(&admin).await.unwrap();
+            sqlx::query("SELECT pg_reload_conf()")
+                .execute(&admin)
+                .await
+                .unwrap();
+        }
+    };
+    set("ALTER SYSTEM SET synchronous_standby_names = 'nobody'").await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let start = Instant::now();
+    let held = tokio::time::timeout(
+        Duration::from_secs(40),
+        store.append(session, 2, vec![prompt("held")]),
+    )
+    .await;
+    let took = start.elapsed();
+    set("ALTER SYSTEM RESET synchronous_standby_names").await;
+    match held {
+        Ok(Err(Error::OutcomeUnknown(why))) => {
+            assert!(
+                why.contains("did not answer the append within 11 s"),
+                "{why}"
+            )
+        }
+        Ok(other) => panic!("expected OutcomeUnknown, got {other:?}"),
+        Err(_) => panic!("the append was still waiting after {took:?}"),
+    }
+    assert!(took < Duration::from_secs(20), "cut off after {took:?}");
+    assert_eq!(
+        store.append_paths().optimistic,
+        before.optimistic + 1,
+        "the one-call path was the one held"
+    );
+    // Released, the held commit went through: the event is stored once,
+    // and a retry with its seq conflicts rather than storing it again.
+    let mut log = Vec::new();
+    for _ in 0..50 {
+        log = store.history(session, 0, 10).await.unwrap();
+        if log.len() == 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(log.len(), 3, "{log:?}");
+}
