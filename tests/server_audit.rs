@@ -396,6 +396,36 @@ both_backends!(
                 "{bad}: {v}"
             );
         }
+        // A parameter that is not UTF-8 once percent-decoded is refused by
+        // name, not read as U+FFFD (which asked for a tool of that name
+        // and answered an empty page); anywhere, the same.
+        for (bad, message) in [
+            (
+                "/v1/audit/events?tool=%FF",
+                "query parameter \"tool\" is not UTF-8 once percent-decoded (it was sent as \"%FF\")",
+            ),
+            (
+                "/v1/audit/changes?tool=web%C3&limit=5",
+                "query parameter \"tool\" is not UTF-8 once percent-decoded (it was sent as \"web%C3\")",
+            ),
+            (
+                "/v1/audit/events?%FE%FF=1",
+                "a query parameter's name is not UTF-8 once percent-decoded (it was sent as \"%FE%FF\")",
+            ),
+            (
+                "/v1/sessions/00000000-0000-0000-0000-000000000000/context?at_seq=%80",
+                "query parameter \"at_seq\" is not UTF-8 once percent-decoded (it was sent as \"%80\")",
+            ),
+        ] {
+            let (s, v) = get(&app, bad, A_AUDITOR).await;
+            assert_eq!(s, StatusCode::BAD_REQUEST, "{bad}: {v}");
+            assert_eq!(v["message"], message, "{bad}");
+        }
+        let (s, _) = get(&app, "/healthz?x=%FF", A_AUDITOR).await;
+        assert_eq!(s, StatusCode::OK, "the probes ignore their query");
+        // Encoded UTF-8 is a name like any other.
+        let (s, v) = get(&app, "/v1/audit/changes?tool=%E2%9C%93", A_AUDITOR).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
     }
 );
 

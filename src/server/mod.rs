@@ -205,6 +205,7 @@ impl Server {
                 self.clone(),
                 within_response_memory,
             ))
+            .route_layer(middleware::from_fn(refuse_undecodable_query))
             .route_layer(middleware::from_fn_with_state(self.clone(), track))
             .fallback(not_found_route)
             .method_not_allowed_fallback(method_not_allowed)
@@ -528,6 +529,40 @@ impl<S: Send + Sync> axum::extract::FromRequestParts<S> for SessionPath {
             .await
             .map(|Path(id)| SessionPath(id))
             .map_err(|e| ApiError::bad_request(format!("bad session id: {}", e.body_text())))
+    }
+}
+
+/// Refuses a query string whose names or values are not UTF-8 once
+/// percent-decoded, naming the parameter: axum's decoding replaces such
+/// bytes with U+FFFD, so `?tool=%FF` asked for a tool named "\u{fffd}"
+/// and answered an empty page as if the question were sound. The probes
+/// ignore their query strings, as they always have.
+async fn refuse_undecodable_query(req: Request, next: Next) -> Response {
+    let probe = matches!(req.uri().path(), "/healthz" | "/readyz");
+    let bad = req.uri().query().filter(|_| !probe).and_then(|q| {
+        q.split('&').find_map(|pair| {
+            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            let decodes = |s: &str| percent_encoding::percent_decode_str(s).decode_utf8().is_ok();
+            match (decodes(name), decodes(value)) {
+                (true, true) => None,
+                (true, false) => {
+                    let name = percent_encoding::percent_decode_str(name).decode_utf8_lossy();
+                    Some(format!(
+                        "query parameter {} is not UTF-8 once percent-decoded (it was sent as {})",
+                        crate::error::quoted(&name),
+                        crate::error::quoted(value)
+                    ))
+                }
+                (false, _) => Some(format!(
+                    "a query parameter's name is not UTF-8 once percent-decoded (it was sent as {})",
+                    crate::error::quoted(name)
+                )),
+            }
+        })
+    });
+    match bad {
+        Some(message) => ApiError::bad_request(message).into_response(),
+        None => next.run(req).await,
     }
 }
 
