@@ -101,6 +101,11 @@ pub enum Command {
         /// answering is said, not waited on without end.
         #[arg(long, default_value = "30", value_parser = parse_seconds)]
         write_timeout: std::time::Duration,
+        /// Most events the batch may hold (it is judged and written in
+        /// memory, as one transaction); more exit 1 with nothing stored.
+        /// `import` stores long inputs in runs instead.
+        #[arg(long, default_value_t = crate::server::DEFAULT_MAX_BATCH_EVENTS as u32, value_parser = clap::value_parser!(u32).range(1..))]
+        max_batch_events: u32,
     },
     /// Print the effective context (SEMANTICS §5).
     Context {
@@ -898,6 +903,7 @@ async fn run_on(
             session,
             expected_seq,
             file,
+            max_batch_events,
             ..
         } => {
             let session = parse_session(&session)?;
@@ -906,6 +912,15 @@ async fn run_on(
             let mut line_numbers = Vec::new();
             for line in lines {
                 match parse_input_line(line, LineKind::Append, max_bytes) {
+                    Ok((n, _)) if events.len() >= max_batch_events as usize => {
+                        // As for a bad line: the expected seq first.
+                        store.append(session, expected_seq, Vec::new()).await?;
+                        return Err(CliError::Input(format!(
+                            "line {n}: the batch holds more than {max_batch_events} events (--max-batch-events): \
+                             one append is one transaction, judged and written in memory; nothing was stored. \
+                             Append fewer at a time, or use `import`, which stores a long input in runs"
+                        )));
+                    }
                     Ok((n, p)) => {
                         events.push(p.event);
                         line_numbers.push(n);

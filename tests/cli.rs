@@ -435,6 +435,39 @@ fn append_prints_seqs_and_a_conflict_exits_3() {
         );
         let history = stdout(&run(&db.url, &["history", S, "--json"], None));
         assert_eq!(history.lines().count(), 3, "{backend}");
+        // A batch over --max-batch-events is refused whole at the first
+        // line past it, after the expected seq; at the bound, it is stored.
+        let prompts = |n: usize| -> String {
+            (0..n)
+                .map(|i| format!("{{\"type\":\"prompt_submitted\",\"text\":\"p{i}\"}}\n"))
+                .collect()
+        };
+        let capped = |expected: &'static str| {
+            vec![
+                "append",
+                S,
+                "--expected-seq",
+                expected,
+                "--max-batch-events",
+                "3",
+            ]
+        };
+        let out = run(&db.url, &capped("1"), Some(&prompts(4)));
+        assert_eq!(out.status.code(), Some(3), "{backend}: {}", stderr(&out));
+        let out = run(&db.url, &capped("3"), Some(&prompts(4)));
+        assert_eq!(out.status.code(), Some(1), "{backend}");
+        assert!(
+            stderr(&out).contains(
+                "line 4: the batch holds more than 3 events (--max-batch-events): one append is one transaction"
+            ),
+            "{backend}: {}",
+            stderr(&out)
+        );
+        let history = stdout(&run(&db.url, &["history", S, "--json"], None));
+        assert_eq!(history.lines().count(), 3, "{backend}: nothing stored");
+        let out = run(&db.url, &capped("3"), Some(&prompts(3)));
+        assert!(out.status.success(), "{backend}: {}", stderr(&out));
+        assert_eq!(stdout(&out).lines().count(), 3, "{backend}");
     }
 }
 
