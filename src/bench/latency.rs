@@ -149,8 +149,15 @@ pub struct Read {
     pub next_append: Latency,
 }
 
-/// Prompts appended (and timed) after the reads of each session.
-const APPEND_SAMPLES: usize = 21;
+/// Prompts appended (and timed) after the reads of each session: enough
+/// for a p99 that is not the largest sample (21 made it the largest).
+fn append_samples(quick: bool) -> usize {
+    if quick {
+        21
+    } else {
+        101
+    }
+}
 
 /// Samples per size.
 fn read_samples(quick: bool) -> usize {
@@ -197,7 +204,10 @@ pub async fn read(url: &str, quick: bool, built: &[Built]) -> Result<Vec<Read>, 
         // so the view is rewritten), the process's cache warm after the
         // first one, as a sidecar's is.
         let mut appends = Vec::new();
-        for (i, head) in (recovery.latest_seq..).take(APPEND_SAMPLES + 1).enumerate() {
+        for (i, head) in (recovery.latest_seq..)
+            .take(append_samples(quick) + 1)
+            .enumerate()
+        {
             let prompt = NewEvent::new(EventBody::PromptSubmitted {
                 text: format!("a follow-up {i}"),
             })

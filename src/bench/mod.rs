@@ -191,7 +191,9 @@ pub async fn run_phase(spec: &str) -> Result<String, BenchError> {
         Phase::Recover => json(serde_json::to_value(
             recovery::recover(&spec.url, largest()?.session_id, 5).await?,
         ))?,
-        Phase::Rebuild => json(serde_json::to_value(recovery::rebuild(&spec.url).await?))?,
+        Phase::Rebuild => json(serde_json::to_value(
+            recovery::rebuild(&spec.url, if spec.quick { 1 } else { 3 }).await?,
+        ))?,
     };
     let out = PhaseOutput {
         result,
@@ -414,7 +416,32 @@ fn decode<T: serde::de::DeserializeOwned>(
 async fn durability(kind: BackendKind, url: &str) -> Result<String, BenchError> {
     match kind {
         BackendKind::Sqlite => {
-            Ok("WAL, synchronous=FULL (the store's connection settings, store and ceiling)".into())
+            // Read back from a connection with the settings both the store
+            // and the ceiling use, not restated.
+            use sqlx::{ConnectOptions, Connection};
+            let mut conn = crate::store::sqlite::connect_options(url)?
+                .connect()
+                .await
+                .map_err(Error::from_sqlx)?;
+            let journal: String = sqlx::query_scalar("PRAGMA journal_mode")
+                .fetch_one(&mut conn)
+                .await
+                .map_err(Error::from_sqlx)?;
+            let synchronous: i64 = sqlx::query_scalar("PRAGMA synchronous")
+                .fetch_one(&mut conn)
+                .await
+                .map_err(Error::from_sqlx)?;
+            let _ = conn.close().await;
+            let synchronous = match synchronous {
+                0 => "OFF",
+                1 => "NORMAL",
+                2 => "FULL",
+                3 => "EXTRA",
+                _ => "unknown",
+            };
+            Ok(format!(
+                "journal_mode={journal}, synchronous={synchronous} (read from a connection with the store's settings, which the ceiling uses too)"
+            ))
         }
         BackendKind::Postgres => {
             use sqlx::{ConnectOptions, Connection};

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use super::stats::Latency;
+use super::stats::{Latency, Spread};
 use super::BenchError;
 use crate::store::Store;
 
@@ -69,35 +69,45 @@ pub struct Rebuild {
     pub sessions: usize,
     /// Their events.
     pub events: i64,
-    /// Seconds.
+    /// Seconds, the median run.
     pub seconds: f64,
-    /// Events of the log per second.
+    /// Events of the log per second, the median run.
     pub events_per_s: f64,
+    /// Events per second of each run: their median and spread.
+    #[serde(default)]
+    pub runs: Spread,
 }
 
-/// Rebuilds every session's view and calls index.
-pub async fn rebuild(url: &str) -> Result<Rebuild, BenchError> {
+/// Rebuilds every session's view and calls index, `repeats` times (each
+/// run rebuilds everything again: a rebuild rewrites what it finds).
+pub async fn rebuild(url: &str, repeats: usize) -> Result<Rebuild, BenchError> {
     let store = Store::open(url).await?;
     let sessions = store.sessions().await?;
     let mut events = 0;
     for s in &sessions {
         events += store.head_seq(*s).await?;
     }
-    let t = Instant::now();
-    for s in &sessions {
-        store.rebuild(*s).await?;
+    let mut rates = Vec::new();
+    for _ in 0..repeats.max(1) {
+        let t = Instant::now();
+        for s in &sessions {
+            store.rebuild(*s).await?;
+        }
+        let seconds = t.elapsed().as_secs_f64();
+        eprintln!(
+            "  rebuilt {} sessions ({events} events) in {seconds:.1} s: {:.0} events/s",
+            sessions.len(),
+            events as f64 / seconds
+        );
+        rates.push(events as f64 / seconds);
     }
-    let seconds = t.elapsed().as_secs_f64();
     store.close().await;
-    let out = Rebuild {
+    let runs = Spread::of(&rates);
+    Ok(Rebuild {
         sessions: sessions.len(),
         events,
-        seconds,
-        events_per_s: events as f64 / seconds,
-    };
-    eprintln!(
-        "  rebuilt {} sessions ({events} events) in {seconds:.1} s: {:.0} events/s",
-        out.sessions, out.events_per_s
-    );
-    Ok(out)
+        seconds: events as f64 / runs.median.max(f64::MIN_POSITIVE),
+        events_per_s: runs.median,
+        runs,
+    })
 }
