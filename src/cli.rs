@@ -388,7 +388,7 @@ pub struct ServeArgs {
     /// Bytes the cached session states may hold (about: each state is
     /// weighed by its window's texts and values); past it the least
     /// recently used are dropped and read again when next needed. One
-    /// state larger than this is still kept, alone. At least 1 MiB.
+    /// state larger than this is still kept, beside it. At least 1 MiB.
     #[arg(long, default_value_t = crate::store::DEFAULT_STATE_CACHE_BYTES as u64, value_parser = clap::value_parser!(u64).range(1 << 20..))]
     pub state_cache_memory: u64,
 }

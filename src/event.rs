@@ -150,17 +150,19 @@ fn map_heap_bytes(map: &Map<String, Value>) -> usize {
 }
 
 /// About how many heap bytes `value` holds beyond its own `Value`: its
-/// strings, numbers (text, with `arbitrary_precision`), arrays and maps
+/// strings, numbers (their text, with `arbitrary_precision`), arrays and maps
 /// (`BTreeMap` nodes, about half again their entries' size). Walked with
 /// an explicit stack, so a deep value cannot overflow the thread's.
 fn value_heap_bytes(value: &Value) -> usize {
-    const NUMBER_TEXT: usize = 32;
     let mut total = 0;
     let mut stack = vec![value];
     while let Some(v) = stack.pop() {
         match v {
             Value::Null | Value::Bool(_) => {}
-            Value::Number(_) => total += NUMBER_TEXT,
+            // With `arbitrary_precision` a number keeps its text: a
+            // number of a million digits is a megabyte (it was weighed
+            // at 32 bytes, and a budget of 8 MiB held 1.5 GB of them).
+            Value::Number(n) => total += allocated(n.as_str().len()),
             Value::String(s) => total += allocated(s.len()),
             Value::Array(items) => {
                 total += allocated(items.len() * std::mem::size_of::<Value>());

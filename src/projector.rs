@@ -332,6 +332,11 @@ impl SessionState {
                     .unwrap_or(event.seq + 1);
                 let gone: usize = self.rows.drain(..keep_from).map(|r| row_bytes(&r)).sum();
                 self.row_bytes = self.row_bytes.saturating_sub(gone);
+                // The old window's allocation goes too: a state cached
+                // after a compaction kept it (and was weighed by it).
+                if self.rows.capacity() > 2 * self.rows.len() + 16 {
+                    self.rows.shrink_to_fit();
+                }
                 // Evidence of the dropped rows no longer counts (§7).
                 self.evidence.clear();
                 for row in &self.rows {
@@ -437,10 +442,19 @@ impl SessionState {
     /// costs the same for any window; what the store's state cache is
     /// bounded by ([`crate::StoreOptions::state_cache_bytes`]).
     pub fn approx_bytes(&self) -> usize {
-        /// A call id, tool name and the map entry holding them.
+        /// A call id, tool name and the map entry holding them (a guess:
+        /// walking every call at each insert would cost what the append
+        /// does; ids and names are usually a few dozen bytes).
         const CALL_BYTES: usize = 160;
-        /// A name with evidence and its seq in the `BTreeMap`.
-        const EVIDENCE_BYTES: usize = 96;
+        /// A name's `String`, its seq and its share of `BTreeMap` nodes.
+        const EVIDENCE_BYTES: usize = 64;
+        // Evidence and catalogs are walked: a few names each, but a name
+        // may be long.
+        let evidence: usize = self
+            .evidence
+            .keys()
+            .map(|name| EVIDENCE_BYTES + name.len())
+            .sum();
         let catalogs: usize = self
             .catalogs
             .iter()
@@ -452,7 +466,7 @@ impl SessionState {
             + self.row_bytes
             + (self.rows.capacity() - self.rows.len()) * std::mem::size_of::<StoredEvent>()
             + self.calls.len() * CALL_BYTES
-            + self.evidence.len() * EVIDENCE_BYTES
+            + evidence
             + catalogs
             + self.compaction.as_ref().map_or(0, |(s, _)| s.len())
     }

@@ -248,3 +248,149 @@ fn reading_the_activation_set_of_a_long_cached_window_copies_no_rows() {
         assert_eq!(n as i64, expected.as_of_seq - 1);
     });
 }
+
+/// A tool output of long JSON numbers (kept as their text) is weighed by
+/// its digits: it was weighed at 32 bytes a number, and a budget of 8 MiB
+/// held 1.5 GB of them.
+#[test]
+fn long_numbers_are_weighed_by_their_digits() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let session = Uuid::new_v4();
+    let digits = "7".repeat(200_000);
+    let number: serde_json::Value = serde_json::from_str(&digits).unwrap();
+    let event = |seq: i64, body: EventBody| StoredEvent {
+        session_id: session,
+        seq,
+        event_id: Uuid::new_v4(),
+        position: seq,
+        recorded_at: chrono::Utc::now(),
+        body,
+    };
+    let mut stored = vec![event(
+        1,
+        EventBody::SessionStarted {
+            mode: "agent".into(),
+            metadata: None,
+        },
+    )];
+    for i in 0..10 {
+        stored.push(event(
+            2 * i + 2,
+            EventBody::ToolCall {
+                call_id: format!("c{i}"),
+                tool_name: "t".into(),
+                input: serde_json::Value::Null,
+            },
+        ));
+        stored.push(event(
+            2 * i + 3,
+            EventBody::ToolResult {
+                call_id: format!("c{i}"),
+                tool_name: "t".into(),
+                status: ToolStatus::Success,
+                output: Some(json!([number, number])),
+                added_tool_names: None,
+            },
+        ));
+    }
+    let before = LIVE.load(Ordering::Relaxed);
+    let state = SessionState::fold(session, &stored);
+    let allocated = LIVE.load(Ordering::Relaxed) - before;
+    let estimate = state.approx_bytes();
+    assert!(allocated > 4_000_000, "{allocated}");
+    let ratio = estimate as f64 / allocated as f64;
+    assert!(
+        (0.9..1.2).contains(&ratio),
+        "estimate {estimate} bytes against {allocated} allocated"
+    );
+}
+
+/// A compaction gives back its window's memory, and the estimate says so:
+/// the state kept the old window's allocation, weighed as such.
+#[test]
+fn a_compacted_state_is_weighed_by_its_new_window() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let session = Uuid::new_v4();
+    let mut stored: Vec<StoredEvent> = never_compacted(5, 3_000)
+        .into_iter()
+        .enumerate()
+        .map(|(i, e)| StoredEvent {
+            session_id: session,
+            seq: i as i64 + 1,
+            event_id: e.event_id.unwrap_or_else(Uuid::new_v4),
+            position: i as i64 + 1,
+            recorded_at: chrono::Utc::now(),
+            body: e.body,
+        })
+        .collect();
+    stored.push(StoredEvent {
+        session_id: session,
+        seq: 3_002,
+        event_id: Uuid::new_v4(),
+        position: 3_002,
+        recorded_at: chrono::Utc::now(),
+        body: EventBody::Compaction {
+            summary: "done".into(),
+            first_kept_event_id: None,
+            tokens_before: None,
+        },
+    });
+    let state = SessionState::fold(session, &stored);
+    assert!(state.rows.is_empty());
+    // The calls of the old window stay until the cache forgets them (about
+    // 160 KB here); the old window's rows (over 500 KB of `StoredEvent`s
+    // of allocation) must not.
+    assert!(
+        state.approx_bytes() < 256 << 10,
+        "a state with an empty window weighs {} bytes",
+        state.approx_bytes()
+    );
+}
+
+/// When another writer appended since this process cached a long window,
+/// the activation set still copies no rows (the events since are applied
+/// to a copy without them), and the context is still read in pages: the
+/// transactional path copied the whole window out again.
+#[test]
+fn after_another_writers_append_a_long_cached_window_is_still_not_copied() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    runtime().block_on(async {
+        let db = common::sqlite_db();
+        let store = Store::open(&db.url).await.unwrap();
+        let session = append_all(&store, never_compacted(11, 3_000)).await;
+        let other = Store::open(&db.url).await.unwrap();
+        for text in ["from another writer", "and again"] {
+            let head = other.head_seq(session).await.unwrap();
+            other
+                .append(
+                    session,
+                    head,
+                    vec![NewEvent::new(EventBody::PromptSubmitted {
+                        text: text.into(),
+                    })],
+                )
+                .await
+                .unwrap();
+            let expected = {
+                let log = store.history(session, 0, 100_000).await.unwrap();
+                SessionState::fold(session, &log).activations()
+            };
+            let (tools, peak) = peak_during(store.activations(session, None)).await;
+            assert_eq!(tools.unwrap(), expected);
+            assert!(peak < 1 << 20, "the activation set took {peak} bytes");
+            let (recovery, peak) = peak_during(store.recover(session)).await;
+            assert_eq!(recovery.unwrap().latest_seq, expected.as_of_seq);
+            assert!(peak < 1 << 20, "recovering took {peak} bytes");
+        }
+        let (head, pages) = store.context_paged(session, None).await.unwrap();
+        assert!(pages.is_some(), "a long context is read in pages");
+        let mut rows = head.rows;
+        if let Some(mut pages) = pages {
+            while let Some(page) = pages.next_page(&store).await.unwrap() {
+                rows.extend(page);
+            }
+        }
+        let log = store.history(session, 0, 100_000).await.unwrap();
+        assert_eq!(rows, SessionState::fold(session, &log).context().rows);
+    });
+}

@@ -171,8 +171,8 @@ pub struct StoreOptions {
     /// are dropped (and read again from the view when next needed). The
     /// states of sessions read without their window are kept apart under
     /// the same budget. One state larger than the budget is still kept,
-    /// alone: its appends would otherwise read its whole window each time
-    /// (docs/design.md, "The state cache").
+    /// beside it: its appends would otherwise read its whole window each
+    /// time (docs/design.md, "The state cache").
     pub state_cache_bytes: usize,
 }
 
@@ -729,11 +729,13 @@ pub(crate) struct StateCache(std::sync::Arc<Mutex<Lru>>);
 pub(crate) struct Lru {
     states: HashMap<Uuid, Cached>,
     tick: u64,
-    /// The sum of the entries' `bytes`.
+    /// The sum of the entries' `bytes`, but the one `over` the budget.
     bytes: usize,
-    /// The most `bytes` may reach, except by one state that alone is
-    /// larger (see [`StateCache::put`]).
+    /// The most `bytes` may reach.
     budget: usize,
+    /// The one state larger than the whole budget, kept beside it (see
+    /// [`StateCache::put`]).
+    over: Option<Uuid>,
     /// States dropped to make room, since the process started.
     evicted: u64,
 }
@@ -753,15 +755,22 @@ impl Lru {
 
     fn remove(&mut self, session_id: &Uuid) -> Option<Warm> {
         let entry = self.states.remove(session_id)?;
-        self.bytes = self.bytes.saturating_sub(entry.bytes);
+        if self.over == Some(*session_id) {
+            self.over = None;
+        } else {
+            self.bytes = self.bytes.saturating_sub(entry.bytes);
+        }
         Some(entry.warm)
     }
 
-    /// Drops the least recently used state; false when there is none.
+    /// Drops the least recently used state within the budget (not the one
+    /// over it); false when there is none.
     fn evict_oldest(&mut self) -> bool {
+        let over = self.over;
         let oldest = self
             .states
             .iter()
+            .filter(|(k, _)| Some(**k) != over)
             .min_by_key(|(_, c)| c.used)
             .map(|(k, _)| *k);
         match oldest {
@@ -810,6 +819,25 @@ pub(crate) struct Known {
     pub(crate) owner: Option<String>,
 }
 
+impl Known {
+    /// About how many bytes this holds: the stored view's texts (its
+    /// summary and catalogs may be large) and the hash.
+    fn approx_bytes(&self) -> usize {
+        let view = self.view.as_ref().map_or(0, |v| {
+            std::mem::size_of::<ViewRow>()
+                + v.mode.len()
+                + v.summary.as_ref().map_or(0, String::len)
+                + v.catalogs.len()
+                + v.evidence.len()
+                + v.active.len()
+        });
+        std::mem::size_of::<Known>()
+            + self.head_hash.len()
+            + view
+            + self.owner.as_ref().map_or(0, String::len)
+    }
+}
+
 impl StateCache {
     /// An empty cache whose states may hold about `budget` bytes.
     pub(crate) fn new(budget: usize) -> StateCache {
@@ -818,6 +846,7 @@ impl StateCache {
             tick: 0,
             bytes: 0,
             budget,
+            over: None,
             evicted: 0,
         })))
     }
@@ -853,21 +882,34 @@ impl StateCache {
     /// optimistic append would take them as absent and always fail).
     ///
     /// Room is made by dropping the least recently used states until the
-    /// new one fits the budget; a state larger than the whole budget is
-    /// kept alone. Dropping it too would make each append to its session
-    /// read the whole window again (seconds for a never-compacted session
-    /// of 10^6 events), while keeping it costs no more than that append
-    /// holds anyway; so the cache holds at most the budget or its largest
-    /// state, whichever is more.
+    /// new one fits the budget. A state larger than the whole budget is
+    /// kept beside it, one at a time (a second one takes its place).
+    /// Dropping it would make each append to its session read the whole
+    /// window again (seconds for a never-compacted session of 10^6
+    /// events), while keeping it costs no more than that append holds
+    /// anyway; and kept in the budget, the next state of any other session
+    /// would push it out. So the cache holds at most the budget and one
+    /// state larger than it.
     pub(crate) fn put(&self, mut warm: Warm) {
         warm.state.forget_calls_outside_window();
-        let bytes = warm.state.approx_bytes();
+        let bytes = warm.state.approx_bytes() + warm.known.as_ref().map_or(0, Known::approx_bytes);
         if let Ok(mut m) = self.0.lock() {
             let id = warm.state.session_id;
             m.remove(&id);
-            while (m.states.len() >= STATE_CACHE_SESSIONS || m.bytes + bytes > m.budget)
-                && m.evict_oldest()
-            {}
+            if bytes > m.budget {
+                if let Some(previous) = m.over.take() {
+                    if m.states.remove(&previous).is_some() {
+                        m.evicted += 1;
+                    }
+                }
+                while m.states.len() >= STATE_CACHE_SESSIONS && m.evict_oldest() {}
+                m.over = Some(id);
+            } else {
+                while (m.states.len() >= STATE_CACHE_SESSIONS || m.bytes + bytes > m.budget)
+                    && m.evict_oldest()
+                {}
+                m.bytes += bytes;
+            }
             let tick = m.next_tick();
             m.states.insert(
                 id,
@@ -877,7 +919,6 @@ impl StateCache {
                     bytes,
                 },
             );
-            m.bytes += bytes;
         }
     }
 
@@ -901,6 +942,7 @@ impl StateCache {
         if let Ok(mut m) = self.0.lock() {
             m.states.clear();
             m.bytes = 0;
+            m.over = None;
         }
     }
 
@@ -909,7 +951,10 @@ impl StateCache {
             .lock()
             .map(|m| CacheUsage {
                 sessions: m.states.len(),
-                bytes: m.bytes,
+                bytes: m.bytes
+                    + m.over
+                        .and_then(|id| m.states.get(&id))
+                        .map_or(0, |c| c.bytes),
                 evicted: m.evicted,
             })
             .unwrap_or_default()
@@ -1534,7 +1579,21 @@ impl Store {
         });
         if let Some(cached) = cached {
             let head = self.head_seq(session_id).await?;
-            return Ok((head == cached.seq).then_some(Latest::Cached(cached)));
+            if head == cached.seq {
+                return Ok(Some(Latest::Cached(cached)));
+            }
+            // Another writer appended since. Without rows, the events
+            // since are applied to the copy; the transactional path would
+            // copy the whole window out again (a 100 MB window took a
+            // server to 300 MB for an activation set, and its context
+            // was no longer paged).
+            if cached.is_rowless() && head > cached.seq {
+                let state = self
+                    .rowless_follow(cached, Vec::new(), true, i64::MAX)
+                    .await?;
+                return Ok(Some(Latest::Rowless(state)));
+            }
+            return Ok(None);
         }
         let Some((view, events, cut)) = self.view_and_window(session_id, needs).await? else {
             return Ok(None);
@@ -2791,26 +2850,71 @@ mod cache_tests {
         assert_eq!(cache.usage().bytes, 0);
     }
 
-    /// A state larger than the whole budget is kept, alone, rather than
-    /// read whole again by each append to its session.
+    /// A state larger than the budget is kept beside it, rather than read
+    /// whole again by each append to its session, and the states of
+    /// other sessions do not push it out; a second such state takes its
+    /// place.
     #[test]
-    fn a_state_larger_than_the_budget_is_kept_alone() {
+    fn a_state_larger_than_the_budget_is_kept_beside_it() {
         let cache = StateCache::new(1 << 20);
-        let small = state_with_prompt(10 << 10);
-        let small_id = small.session_id;
-        cache.put(warm(small));
         let huge = state_with_prompt(3 << 20);
         let huge_id = huge.session_id;
         cache.put(warm(huge));
         assert!(cache.get(huge_id).is_some());
-        assert!(cache.get(small_id).is_none());
-        assert_eq!(cache.usage().sessions, 1);
-        assert!(cache.usage().bytes > 3 << 20);
-        // Putting the same session again replaces it, counted once.
+        let smalls: Vec<SessionState> = (0..8).map(|_| state_with_prompt(300 << 10)).collect();
+        for small in &smalls {
+            cache.put(warm(small.clone()));
+        }
+        assert!(cache.get(huge_id).is_some(), "other sessions leave it");
+        let usage = cache.usage();
+        // The budget holds three of the small ones; the large one is beside.
+        assert_eq!(usage.sessions, 4, "{usage:?}");
+        assert!(usage.bytes > (3 << 20) + (900 << 10), "{usage:?}");
+        assert!(
+            usage.bytes < (3 << 20) + (1 << 20) + (64 << 10),
+            "{usage:?}"
+        );
+        // Putting it again replaces it, counted once.
         let again = cache.take(huge_id).expect("cached");
         cache.put(warm(again.state.clone()));
         cache.put(warm(again.state));
-        assert_eq!(cache.usage().sessions, 1);
-        assert_eq!(cache.usage().evicted, 1);
+        assert_eq!(cache.usage().sessions, 4);
+        // A second large state takes the first's place.
+        let other = state_with_prompt(2 << 20);
+        let other_id = other.session_id;
+        let evicted = cache.usage().evicted;
+        cache.put(warm(other));
+        assert!(cache.get(huge_id).is_none() && cache.get(other_id).is_some());
+        assert_eq!(cache.usage().evicted, evicted + 1);
+        assert_eq!(cache.usage().sessions, 4);
+    }
+
+    /// What an append knew (the stored view, whose summary and catalogs
+    /// may be large) is weighed with its state.
+    #[test]
+    fn what_an_append_knew_is_weighed_too() {
+        let cache = StateCache::new(usize::MAX);
+        let state = state_with_prompt(10);
+        let id = state.session_id;
+        let bare = state.clone().approx_bytes();
+        cache.put(Warm {
+            state,
+            known: Some(Known {
+                head_hash: "0".repeat(64),
+                view: Some(ViewRow {
+                    session_id: id,
+                    refresh_seq: 2,
+                    mode: "agent".into(),
+                    window_start: 1,
+                    compaction_seq: None,
+                    summary: Some("s".repeat(500_000)),
+                    catalogs: "{}".into(),
+                    evidence: "{}".into(),
+                    active: "[]".into(),
+                }),
+                owner: None,
+            }),
+        });
+        assert!(cache.usage().bytes > bare + 500_000, "{:?}", cache.usage());
     }
 }
