@@ -121,13 +121,32 @@ async fn append_all(store: &Store, events: Vec<NewEvent>) -> Uuid {
     session
 }
 
-/// The estimate is within a third of what folding the rows allocated
-/// (the rows, their texts and JSON values, the calls and evidence).
-#[test]
-fn a_states_estimate_is_near_what_it_allocates() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let session = Uuid::new_v4();
-    let stored: Vec<StoredEvent> = never_compacted(3, 3_000)
+/// Folds `stored` and checks that the state's estimate is within `ratio`
+/// of what the fold allocated, which is more than `at_least` bytes.
+fn estimate_within(
+    session: Uuid,
+    stored: &[StoredEvent],
+    at_least: usize,
+    ratio: std::ops::Range<f64>,
+) {
+    let before = LIVE.load(Ordering::Relaxed);
+    let state = SessionState::fold(session, stored);
+    let allocated = LIVE.load(Ordering::Relaxed) - before;
+    let estimate = state.approx_bytes();
+    assert!(
+        allocated > at_least,
+        "the fold allocated only {allocated} bytes"
+    );
+    let r = estimate as f64 / allocated as f64;
+    assert!(
+        ratio.contains(&r),
+        "estimate {estimate} bytes against {allocated} allocated (ratio {r:.2})"
+    );
+}
+
+/// `events` as stored from seq 1 in `session`.
+fn stored_as(session: Uuid, events: Vec<NewEvent>) -> Vec<StoredEvent> {
+    events
         .into_iter()
         .enumerate()
         .map(|(i, e)| StoredEvent {
@@ -138,20 +157,17 @@ fn a_states_estimate_is_near_what_it_allocates() {
             recorded_at: chrono::Utc::now(),
             body: e.body,
         })
-        .collect();
-    let before = LIVE.load(Ordering::Relaxed);
-    let state = SessionState::fold(session, &stored);
-    let allocated = LIVE.load(Ordering::Relaxed) - before;
-    let estimate = state.approx_bytes();
-    let ratio = estimate as f64 / allocated as f64;
-    assert!(
-        allocated > 3_000_000,
-        "the window of 3 000 events allocated only {allocated} bytes"
-    );
-    assert!(
-        (0.75..1.33).contains(&ratio),
-        "estimate {estimate} bytes against {allocated} allocated (ratio {ratio:.2})"
-    );
+        .collect()
+}
+
+/// The estimate is within a third of what folding the rows allocated
+/// (the rows, their texts and JSON values, the calls and evidence).
+#[test]
+fn a_states_estimate_is_near_what_it_allocates() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let session = Uuid::new_v4();
+    let stored = stored_as(session, never_compacted(3, 3_000));
+    estimate_within(session, &stored, 3_000_000, 0.75..1.33);
 }
 
 /// A store given a budget keeps its states within it (the sessions are
@@ -293,16 +309,7 @@ fn long_numbers_are_weighed_by_their_digits() {
             },
         ));
     }
-    let before = LIVE.load(Ordering::Relaxed);
-    let state = SessionState::fold(session, &stored);
-    let allocated = LIVE.load(Ordering::Relaxed) - before;
-    let estimate = state.approx_bytes();
-    assert!(allocated > 4_000_000, "{allocated}");
-    let ratio = estimate as f64 / allocated as f64;
-    assert!(
-        (0.9..1.2).contains(&ratio),
-        "estimate {estimate} bytes against {allocated} allocated"
-    );
+    estimate_within(session, &stored, 4_000_000, 0.9..1.2);
 }
 
 /// A compaction gives back its window's memory, and the estimate says so:
@@ -311,18 +318,7 @@ fn long_numbers_are_weighed_by_their_digits() {
 fn a_compacted_state_is_weighed_by_its_new_window() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let session = Uuid::new_v4();
-    let mut stored: Vec<StoredEvent> = never_compacted(5, 3_000)
-        .into_iter()
-        .enumerate()
-        .map(|(i, e)| StoredEvent {
-            session_id: session,
-            seq: i as i64 + 1,
-            event_id: e.event_id.unwrap_or_else(Uuid::new_v4),
-            position: i as i64 + 1,
-            recorded_at: chrono::Utc::now(),
-            body: e.body,
-        })
-        .collect();
+    let mut stored = stored_as(session, never_compacted(5, 3_000));
     stored.push(StoredEvent {
         session_id: session,
         seq: 3_002,
