@@ -267,6 +267,11 @@ impl SessionState {
         self.calls.retain(|_, c| {
             c.seq >= window_start || c.result_seq.is_some_and(|r| r >= window_start)
         });
+        // The table's buckets stay after a retain: after a compaction of a
+        // long window they would hold megabytes for a handful of calls.
+        if self.calls.capacity() > 2 * self.calls.len() + 16 {
+            self.calls.shrink_to_fit();
+        }
     }
 
     /// Empties the texts, call inputs and result outputs of the window's
@@ -466,6 +471,8 @@ impl SessionState {
             + self.row_bytes
             + (self.rows.capacity() - self.rows.len()) * std::mem::size_of::<StoredEvent>()
             + self.calls.len() * CALL_BYTES
+            + (self.calls.capacity() - self.calls.len())
+                * (std::mem::size_of::<(String, CallInfo)>() + 1)
             + evidence
             + catalogs
             + self.compaction.as_ref().map_or(0, |(s, _)| s.len())
@@ -598,6 +605,27 @@ mod tests {
             .push(prompt("find"))
             .push(call("c1", "ToolSearch"))
             .push(result("c1", "ToolSearch", Success, &["web_fetch"]))
+    }
+
+    /// A compaction of a long window gives back the rows' allocation, and
+    /// forgetting the calls outside the new window gives back their
+    /// table's: the cache weighs a state by what it holds.
+    #[test]
+    fn a_compacted_state_gives_back_its_old_windows_memory() {
+        let mut log = Log::new().push(started("agent"));
+        for i in 0..5_000 {
+            let id = format!("c{i}");
+            log = log
+                .push(call(&id, "Read"))
+                .push(result(&id, "Read", Success, &[]));
+        }
+        let mut state = log.push(compaction(None)).push(prompt("after")).state();
+        assert_eq!(state.rows.len(), 1);
+        assert!(state.rows.capacity() <= 18, "{}", state.rows.capacity());
+        state.forget_calls_outside_window();
+        assert!(state.calls.is_empty());
+        assert!(state.calls.capacity() <= 16, "{}", state.calls.capacity());
+        assert!(state.approx_bytes() < 16 << 10, "{}", state.approx_bytes());
     }
 
     #[test]

@@ -1058,8 +1058,31 @@ async fn postgres_an_optimistic_append_whose_commit_is_held_is_cut_off() {
                 .unwrap();
         }
     };
+    sqlx::query("CREATE TABLE IF NOT EXISTS probe (x int)")
+        .execute(&admin)
+        .await
+        .unwrap();
     set("ALTER SYSTEM SET synchronous_standby_names = 'nobody'").await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The server holds commits once its checkpointer has read the new
+    // setting: wait until a probe's commit is held (it stays held, and
+    // goes through with the append's when the setting is reset).
+    let mut held_probe = false;
+    for _ in 0..100 {
+        // A connection of its own: one left waiting must not go back to
+        // the pool that resets the setting.
+        let mut conn = <sqlx::PgConnection as sqlx::Connection>::connect(&url)
+            .await
+            .unwrap();
+        let probe = sqlx::query("INSERT INTO probe VALUES (1)").execute(&mut conn);
+        if tokio::time::timeout(Duration::from_millis(300), probe)
+            .await
+            .is_err()
+        {
+            held_probe = true;
+            break;
+        }
+    }
+    assert!(held_probe, "the server never held a commit");
     let start = Instant::now();
     let held = tokio::time::timeout(
         Duration::from_secs(40),

@@ -275,12 +275,10 @@ fn serve_refuses_a_public_address_without_tokens() {
     );
 }
 
-/// `--listen` takes a host name as well as an IP (resolved once, to a
-/// loopback address for `localhost`, so no tokens are needed), and an
-/// address that is neither is a usage error naming the flag and the value.
-/// `serve` of the SQLite store `db` with `args` and no tokens, and the
-/// first line it printed.
-fn serve_without_tokens(db: &std::path::Path, args: &[&str]) -> (Child, String) {
+/// `serve` of the SQLite store `db` with `args` and no tokens (killed when
+/// dropped, so a failed assertion leaves no server behind), and the first
+/// line it printed.
+fn serve_without_tokens(db: &std::path::Path, args: &[&str]) -> (Instance, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_session-store"))
         .arg("--database")
         .arg(db)
@@ -297,16 +295,22 @@ fn serve_without_tokens(db: &std::path::Path, args: &[&str]) -> (Child, String) 
     BufReader::new(child.stdout.take().unwrap())
         .read_line(&mut line)
         .unwrap();
+    let child = Instance {
+        child,
+        base: String::new(),
+    };
     (child, line)
 }
 
+/// `--listen` takes a host name as well as an IP (resolved once, to a
+/// loopback address for `localhost`, so no tokens are needed), and an
+/// address that is neither is a usage error naming the flag and the value.
 #[test]
 fn serve_listens_on_a_host_name() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("s.db");
-    let (mut child, line) = serve_without_tokens(&db, &["--listen", "localhost:0"]);
-    child.kill().unwrap();
-    child.wait().unwrap();
+    let (child, line) = serve_without_tokens(&db, &["--listen", "localhost:0"]);
+    drop(child);
     assert!(
         line.starts_with("listening on http://127.0.0.1:")
             || line.starts_with("listening on http://[::1]:"),
@@ -335,7 +339,7 @@ fn serve_listens_on_a_host_name() {
 async fn serve_keeps_its_states_within_state_cache_memory() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("s.db");
-    let (mut child, line) = serve_without_tokens(
+    let (child, line) = serve_without_tokens(
         &db,
         &["--listen", "127.0.0.1:0", "--state-cache-memory", "1048576"],
     );
@@ -367,8 +371,7 @@ async fn serve_keeps_its_states_within_state_cache_memory() {
         .text()
         .await
         .unwrap();
-    child.kill().unwrap();
-    child.wait().unwrap();
+    drop(child);
     let figure = |name: &str| -> u64 {
         let prefix = format!("session_store_{name}{{cache=\"rows\"}} ");
         metrics

@@ -412,15 +412,31 @@ both_backends!(
                 "/v1/audit/events?%FE%FF=1",
                 "a query parameter's name is not UTF-8 once percent-decoded (it was sent as \"%FE%FF\")",
             ),
-            (
-                "/v1/sessions/00000000-0000-0000-0000-000000000000/context?at_seq=%80",
-                "query parameter \"at_seq\" is not UTF-8 once percent-decoded (it was sent as \"%80\")",
-            ),
         ] {
             let (s, v) = get(&app, bad, A_AUDITOR).await;
             assert_eq!(s, StatusCode::BAD_REQUEST, "{bad}: {v}");
             assert_eq!(v["message"], message, "{bad}");
         }
+        // Who asks is judged first, as for any other bad query: no token
+        // is 401, a token without the scope 403, another tenant's session
+        // 404; then the query.
+        let session = seed(&app, A_WRITER).await;
+        let context = format!("/v1/sessions/{session}/context?at_seq=%80");
+        for (token, status) in [
+            ("no-such-token-0123456789", StatusCode::UNAUTHORIZED),
+            (A_AUDITOR, StatusCode::FORBIDDEN),
+            (B_WRITER, StatusCode::NOT_FOUND),
+        ] {
+            assert_eq!(get(&app, &context, token).await.0, status, "{token}");
+        }
+        let (s, v) = get(&app, "/v1/audit/events?tool=%FF", B_WRITER).await;
+        assert_eq!(s, StatusCode::FORBIDDEN, "{v}");
+        let (s, v) = get(&app, &context, A_WRITER).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+        assert_eq!(
+            v["message"],
+            "query parameter \"at_seq\" is not UTF-8 once percent-decoded (it was sent as \"%80\")"
+        );
         let (s, _) = get(&app, "/healthz?x=%FF", A_AUDITOR).await;
         assert_eq!(s, StatusCode::OK, "the probes ignore their query");
         // Encoded UTF-8 is a name like any other.

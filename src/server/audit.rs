@@ -5,8 +5,8 @@
 //! tenant as a filter, so another tenant's rows are never read.
 
 use axum::body::Body;
-use axum::extract::rejection::{PathRejection, QueryRejection};
-use axum::extract::{Path, Query, State};
+use axum::extract::rejection::PathRejection;
+use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -19,7 +19,7 @@ use uuid::Uuid;
 
 use super::auth::Scope;
 use super::error::{ApiError, ErrorBody};
-use super::{parse_session_id, query, query_taking, Server, SessionPath};
+use super::{parse_session_id, query, query_taking, Params, Server, SessionPath};
 use crate::audit::{At, Explanation, Refresh, RefreshTracker};
 use crate::store::query::{
     AnomalyKind, AnomalyPage, AnomalyQuery, ChangePage, ChangeQuery, EventPage, EventQuery,
@@ -62,7 +62,7 @@ pub(super) async fn explain(
     State(server): State<Server>,
     headers: HeaderMap,
     path: Result<Path<(String, String)>, PathRejection>,
-    q: Result<Query<ExplainQuery>, QueryRejection>,
+    q: Params<ExplainQuery>,
 ) -> Result<Json<Explanation>, ApiError> {
     let Path((id, tool)) =
         path.map_err(|e| ApiError::bad_request(format!("bad path: {}", e.body_text())))?;
@@ -189,7 +189,7 @@ pub(super) async fn refreshes(
     State(server): State<Server>,
     headers: HeaderMap,
     SessionPath(id): SessionPath,
-    q: Result<Query<super::NoQuery>, QueryRejection>,
+    q: Params<super::NoQuery>,
 ) -> Result<Response, ApiError> {
     // Who asks first, as on every route: a caller without a token hears
     // 401, whatever its query.
@@ -328,7 +328,7 @@ impl AuditParams {
 pub(super) async fn audit_events(
     State(server): State<Server>,
     headers: HeaderMap,
-    q: Result<Query<AuditParams>, QueryRejection>,
+    q: Params<AuditParams>,
 ) -> Result<Json<EventPage>, ApiError> {
     let principal = server.principal(&headers)?;
     principal.require(Scope::Audit)?;
@@ -400,7 +400,7 @@ pub(super) async fn audit_events(
 pub(super) async fn audit_changes(
     State(server): State<Server>,
     headers: HeaderMap,
-    q: Result<Query<AuditParams>, QueryRejection>,
+    q: Params<AuditParams>,
 ) -> Result<Json<ChangePage>, ApiError> {
     let principal = server.principal(&headers)?;
     principal.require(Scope::Audit)?;
@@ -457,7 +457,7 @@ pub(super) async fn audit_changes(
 pub(super) async fn audit_anomalies(
     State(server): State<Server>,
     headers: HeaderMap,
-    q: Result<Query<AuditParams>, QueryRejection>,
+    q: Params<AuditParams>,
 ) -> Result<Json<AnomalyPage>, ApiError> {
     let principal = server.principal(&headers)?;
     principal.require(Scope::Audit)?;

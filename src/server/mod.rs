@@ -205,7 +205,6 @@ impl Server {
                 self.clone(),
                 within_response_memory,
             ))
-            .route_layer(middleware::from_fn(refuse_undecodable_query))
             .route_layer(middleware::from_fn_with_state(self.clone(), track))
             .fallback(not_found_route)
             .method_not_allowed_fallback(method_not_allowed)
@@ -532,37 +531,70 @@ impl<S: Send + Sync> axum::extract::FromRequestParts<S> for SessionPath {
     }
 }
 
-/// Refuses a query string whose names or values are not UTF-8 once
-/// percent-decoded, naming the parameter: axum's decoding replaces such
-/// bytes with U+FFFD, so `?tool=%FF` asked for a tool named "\u{fffd}"
-/// and answered an empty page as if the question were sound. The probes
-/// ignore their query strings, as they always have.
-async fn refuse_undecodable_query(req: Request, next: Next) -> Response {
-    let probe = matches!(req.uri().path(), "/healthz" | "/readyz");
-    let bad = req.uri().query().filter(|_| !probe).and_then(|q| {
-        q.split('&').find_map(|pair| {
-            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
-            let decodes = |s: &str| percent_encoding::percent_decode_str(s).decode_utf8().is_ok();
-            match (decodes(name), decodes(value)) {
-                (true, true) => None,
-                (true, false) => {
-                    let name = percent_encoding::percent_decode_str(name).decode_utf8_lossy();
-                    Some(format!(
-                        "query parameter {} is not UTF-8 once percent-decoded (it was sent as {})",
-                        crate::error::quoted(&name),
-                        crate::error::quoted(value)
-                    ))
-                }
-                (false, _) => Some(format!(
-                    "a query parameter's name is not UTF-8 once percent-decoded (it was sent as {})",
-                    crate::error::quoted(name)
-                )),
+/// What is wrong with a query string whose names or values are not UTF-8
+/// once percent-decoded, naming the parameter; `None` when it decodes.
+/// axum's decoding replaces such bytes with U+FFFD, so `?tool=%FF` asked
+/// for a tool named "\u{fffd}" and answered an empty page as if the
+/// question were sound.
+fn undecodable(query: Option<&str>) -> Option<String> {
+    query?.split('&').find_map(|pair| {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        let decodes = |s: &str| {
+            percent_encoding::percent_decode_str(s)
+                .decode_utf8()
+                .is_ok()
+        };
+        match (decodes(name), decodes(value)) {
+            (true, true) => None,
+            (true, false) => {
+                let name = percent_encoding::percent_decode_str(name).decode_utf8_lossy();
+                Some(format!(
+                    "query parameter {} is not UTF-8 once percent-decoded (it was sent as {})",
+                    crate::error::quoted(&name),
+                    crate::error::quoted(value)
+                ))
             }
-        })
-    });
-    match bad {
-        Some(message) => ApiError::bad_request(message).into_response(),
-        None => next.run(req).await,
+            (false, _) => Some(format!(
+                "a query parameter's name is not UTF-8 once percent-decoded (it was sent as {})",
+                crate::error::quoted(name)
+            )),
+        }
+    })
+}
+
+/// A route's query parameters, parsed but not yet judged: the handler
+/// asks ([`query`], [`query_taking`]) after it has checked its caller, so
+/// that a caller without a token hears 401 whatever its query, as on
+/// every route. (A layer that refused undecodable queries answered them
+/// 400 before the caller check.)
+pub(crate) struct Params<T>(Result<T, QueryProblem>);
+
+/// Why a query string was not parsed.
+pub(crate) enum QueryProblem {
+    /// A name or value is not UTF-8 once percent-decoded ([`undecodable`]).
+    NotUtf8(String),
+    /// The framework's rejection (a bad value, an unknown parameter).
+    Rejected(QueryRejection),
+}
+
+impl<S: Send + Sync, T: serde::de::DeserializeOwned> axum::extract::FromRequestParts<S>
+    for Params<T>
+{
+    type Rejection = Infallible;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, Infallible> {
+        if let Some(why) = undecodable(parts.uri.query()) {
+            return Ok(Params(Err(QueryProblem::NotUtf8(why))));
+        }
+        Ok(Params(
+            Query::<T>::from_request_parts(parts, state)
+                .await
+                .map(|Query(t)| t)
+                .map_err(QueryProblem::Rejected),
+        ))
     }
 }
 
@@ -575,9 +607,11 @@ fn parse_session_id(id: &str) -> Result<Uuid, ApiError> {
     })
 }
 
-fn query<T>(q: Result<Query<T>, QueryRejection>) -> Result<T, ApiError> {
-    q.map(|Query(t)| t)
-        .map_err(|e| ApiError::bad_request(query_message(&e.body_text())))
+fn query<T>(q: Params<T>) -> Result<T, ApiError> {
+    q.0.map_err(|e| match e {
+        QueryProblem::NotUtf8(why) => ApiError::bad_request(why),
+        QueryProblem::Rejected(e) => ApiError::bad_request(query_message(&e.body_text())),
+    })
 }
 
 /// The parameter an unknown-field rejection names (at most 80 characters of
@@ -593,8 +627,12 @@ fn unknown_parameter(text: &str) -> Option<(String, &str)> {
 /// [`query`] for a route whose parameter struct serves other routes too
 /// (the audit routes): an unknown parameter is answered with the route's
 /// own parameters, `takes`, not every field of the struct.
-fn query_taking<T>(q: Result<Query<T>, QueryRejection>, takes: &[&str]) -> Result<T, ApiError> {
-    q.map(|Query(t)| t).map_err(|e| {
+fn query_taking<T>(q: Params<T>, takes: &[&str]) -> Result<T, ApiError> {
+    q.0.map_err(|e| {
+        let e = match e {
+            QueryProblem::NotUtf8(why) => return ApiError::bad_request(why),
+            QueryProblem::Rejected(e) => e,
+        };
         let text = e.body_text();
         let text = text
             .strip_prefix("Failed to deserialize query string: ")
@@ -892,7 +930,7 @@ async fn append(
     State(server): State<Server>,
     headers: HeaderMap,
     SessionPath(id): SessionPath,
-    q: Result<Query<NoQuery>, QueryRejection>,
+    q: Params<NoQuery>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let principal = server.principal(&headers)?;
@@ -1020,7 +1058,7 @@ async fn history(
     State(server): State<Server>,
     headers: HeaderMap,
     SessionPath(id): SessionPath,
-    q: Result<Query<HistoryQuery>, QueryRejection>,
+    q: Params<HistoryQuery>,
 ) -> Result<Json<HistoryPage>, ApiError> {
     let (_, session_id) = server.session_for(&headers, Scope::Read, &id).await?;
     let q = query(q)?;
@@ -1087,7 +1125,7 @@ async fn context(
     State(server): State<Server>,
     headers: HeaderMap,
     SessionPath(id): SessionPath,
-    q: Result<Query<AtSeqQuery>, QueryRejection>,
+    q: Params<AtSeqQuery>,
 ) -> Result<Response, ApiError> {
     let (_, session_id) = server.session_for(&headers, Scope::Read, &id).await?;
     let q = query(q)?;
@@ -1163,7 +1201,7 @@ async fn activations(
     State(server): State<Server>,
     headers: HeaderMap,
     SessionPath(id): SessionPath,
-    q: Result<Query<AtSeqQuery>, QueryRejection>,
+    q: Params<AtSeqQuery>,
 ) -> Result<Json<Activations>, ApiError> {
     let (_, session_id) = server.session_for(&headers, Scope::Read, &id).await?;
     let q = query(q)?;
@@ -1191,7 +1229,7 @@ async fn recover(
     State(server): State<Server>,
     headers: HeaderMap,
     SessionPath(id): SessionPath,
-    q: Result<Query<NoQuery>, QueryRejection>,
+    q: Params<NoQuery>,
 ) -> Result<Json<Recovery>, ApiError> {
     // Who asks first, as on every route: a caller without a token hears
     // 401, whatever its query.
@@ -1243,7 +1281,7 @@ async fn stream(
     State(server): State<Server>,
     headers: HeaderMap,
     SessionPath(id): SessionPath,
-    q: Result<Query<StreamQuery>, QueryRejection>,
+    q: Params<StreamQuery>,
 ) -> Result<Response, ApiError> {
     let (_, session_id) = server.session_for(&headers, Scope::Read, &id).await?;
     let q = query(q)?;
