@@ -1532,21 +1532,10 @@ fn a_named_pipe_is_read_once_and_a_closed_output_keeps_the_verdict() {
     producer.join().unwrap().unwrap();
     // A broken chain is exit 5 even when the reader of the JSON report
     // has gone.
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async {
-        use sqlx::ConnectOptions;
-        let mut c = sqlx::sqlite::SqliteConnectOptions::new()
-            .filename(dir.path().join("s.db"))
-            .connect()
-            .await
-            .unwrap();
-        sqlx::raw_sql(
-            "DROP TRIGGER events_no_update; UPDATE events SET payload = replace(payload, 'agent', 'chat') WHERE seq = 1;",
-        )
-        .execute(&mut c)
-        .await
-        .unwrap();
-    });
+    tamper(
+        &url,
+        "DROP TRIGGER events_no_update; UPDATE events SET payload = replace(payload, 'agent', 'chat') WHERE seq = 1;",
+    );
     let mut child = spawn(&url, &["verify", "--integrity", "--json"]);
     drop(child.stdin.take());
     drop(child.stdout.take());

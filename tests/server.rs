@@ -1543,20 +1543,15 @@ async fn a_stream_that_meets_an_unreadable_row_says_so_and_ends() {
     ]});
     let (s, v) = post(&app, &events_uri(id), None, &body).await;
     assert_eq!(s, StatusCode::CREATED, "{v}");
-    {
-        use sqlx::ConnectOptions;
-        let mut c = sqlx::sqlite::SqliteConnectOptions::new()
-            .filename(dir.path().join("s.db"))
-            .connect()
-            .await
-            .unwrap();
-        sqlx::raw_sql(
+    let url = format!("sqlite://{}", dir.path().join("s.db").display());
+    tokio::task::spawn_blocking(move || {
+        common::raw_sql(
+            &url,
             "DROP TRIGGER events_no_update; UPDATE events SET payload = '{not json' WHERE seq = 3;",
         )
-        .execute(&mut c)
-        .await
-        .unwrap();
-    }
+    })
+    .await
+    .unwrap();
     let mut body = open_stream(&app, &format!("/v1/sessions/{id}/stream?after_seq=1"), None).await;
     // The page holding seq 2 and 3 cannot be read: the error names the
     // last seq delivered, 1, where a client resumes.

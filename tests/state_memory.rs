@@ -170,6 +170,38 @@ fn a_states_estimate_is_near_what_it_allocates() {
     estimate_within(session, &stored, 3_000_000, 0.75..1.33);
 }
 
+/// The session as its log folds.
+async fn folded(store: &Store, session: Uuid) -> SessionState {
+    let log = store.history(session, 0, 100_000).await.unwrap();
+    SessionState::fold(session, &log)
+}
+
+/// The latest activation set and recovery answer as `expected` does, and
+/// neither copies the window's rows: each peaks under 1 MiB.
+async fn reads_copy_no_rows(store: &Store, expected: &SessionState) {
+    let session = expected.session_id;
+    let (tools, peak) = peak_during(store.activations(session, None)).await;
+    assert_eq!(tools.unwrap(), expected.activations());
+    assert!(
+        peak < 1 << 20,
+        "reading the activation set took {peak} bytes at its peak"
+    );
+    let (recovery, peak) = peak_during(store.recover(session)).await;
+    assert_eq!(recovery.unwrap().latest_seq, expected.seq);
+    assert!(peak < 1 << 20, "recovering took {peak} bytes at its peak");
+}
+
+/// The latest context's rows, which must come in pages (a long window).
+async fn paged_context(store: &Store, session: Uuid) -> Vec<session_store::ContextRow> {
+    let (head, pages) = store.context_paged(session, None).await.unwrap();
+    let mut rows = head.rows;
+    let mut pages = pages.expect("a long context is read in pages");
+    while let Some(page) = pages.next_page(store).await.unwrap() {
+        rows.extend(page);
+    }
+    rows
+}
+
 /// A store given a budget keeps its states within it (the sessions are
 /// each well under it), drops the least recently used, and answers from
 /// the log as before for the sessions it dropped, appends included.
@@ -235,35 +267,21 @@ fn reading_the_activation_set_of_a_long_cached_window_copies_no_rows() {
         let session = append_all(&store, never_compacted(9, 3_000)).await;
         let (rows, _) = store.state_cache_usage();
         assert!(rows.bytes > 5 << 20, "the window is cached: {rows:?}");
-        let expected = {
-            let log = store.history(session, 0, 100_000).await.unwrap();
-            SessionState::fold(session, &log).activations()
-        };
+        let expected = folded(&store, session).await;
         for _ in 0..3 {
-            let (tools, peak) = peak_during(store.activations(session, None)).await;
-            assert_eq!(tools.unwrap(), expected);
-            assert!(
-                peak < 1 << 20,
-                "reading the activation set took {peak} bytes at its peak"
-            );
-            let (recovery, peak) = peak_during(store.recover(session)).await;
-            assert_eq!(recovery.unwrap().latest_seq, expected.as_of_seq);
-            assert!(peak < 1 << 20, "recovering took {peak} bytes at its peak");
+            reads_copy_no_rows(&store, &expected).await;
             // As of a seq (the latest here, which the cached state is at).
-            let at = Some(expected.as_of_seq);
+            let at = Some(expected.seq);
             let (tools, peak) = peak_during(store.activations(session, at)).await;
-            assert_eq!(tools.unwrap(), expected);
+            assert_eq!(tools.unwrap(), expected.activations());
             assert!(peak < 1 << 20, "the set at a seq took {peak} bytes");
         }
         // The context is still whole (read in pages from the log).
-        let (head, pages) = store.context_paged(session, None).await.unwrap();
-        let mut n = head.rows.len();
-        if let Some(mut pages) = pages {
-            while let Some(page) = pages.next_page(&store).await.unwrap() {
-                n += page.len();
-            }
-        }
-        assert_eq!(n as i64, expected.as_of_seq - 1);
+        assert_eq!(
+            paged_context(&store, session).await,
+            expected.context().rows
+        );
+        assert_eq!(expected.rows.len() as i64, expected.seq - 1);
     });
 }
 
@@ -369,26 +387,12 @@ fn after_another_writers_append_a_long_cached_window_is_still_not_copied() {
                 )
                 .await
                 .unwrap();
-            let expected = {
-                let log = store.history(session, 0, 100_000).await.unwrap();
-                SessionState::fold(session, &log).activations()
-            };
-            let (tools, peak) = peak_during(store.activations(session, None)).await;
-            assert_eq!(tools.unwrap(), expected);
-            assert!(peak < 1 << 20, "the activation set took {peak} bytes");
-            let (recovery, peak) = peak_during(store.recover(session)).await;
-            assert_eq!(recovery.unwrap().latest_seq, expected.as_of_seq);
-            assert!(peak < 1 << 20, "recovering took {peak} bytes");
+            reads_copy_no_rows(&store, &folded(&store, session).await).await;
         }
-        let (head, pages) = store.context_paged(session, None).await.unwrap();
-        assert!(pages.is_some(), "a long context is read in pages");
-        let mut rows = head.rows;
-        if let Some(mut pages) = pages {
-            while let Some(page) = pages.next_page(&store).await.unwrap() {
-                rows.extend(page);
-            }
-        }
-        let log = store.history(session, 0, 100_000).await.unwrap();
-        assert_eq!(rows, SessionState::fold(session, &log).context().rows);
+        let expected = folded(&store, session).await;
+        assert_eq!(
+            paged_context(&store, session).await,
+            expected.context().rows
+        );
     });
 }

@@ -170,23 +170,12 @@ pub async fn run_plan(
                     };
                     // Which side goes first turns with each repeat.
                     for side in 0..sides {
-                        let m = match (rep + side) % sides {
-                            0 => {
-                                let m = cell.store(&store, &pool).await?;
-                                store_rates.push(m.rate);
-                                m
-                            }
-                            1 => {
-                                let m = cell.ceiling(&raw, &pool, false).await?;
-                                each_rates.push(m.rate);
-                                m
-                            }
-                            _ => {
-                                let m = cell.ceiling(&raw, &pool, true).await?;
-                                grouped_rates.push(m.rate);
-                                m
-                            }
+                        let (m, rates) = match (rep + side) % sides {
+                            0 => (cell.store(&store, &pool).await?, &mut store_rates),
+                            1 => (cell.ceiling(&raw, &pool, false).await?, &mut each_rates),
+                            _ => (cell.ceiling(&raw, &pool, true).await?, &mut grouped_rates),
                         };
+                        rates.push(m.rate);
                         appends += m.appends;
                     }
                 }

@@ -187,10 +187,7 @@ impl Metrics {
             let counter = self.append_groups.get_or_create(&PathLabel {
                 path: path.to_owned(),
             });
-            let seen = counter.get();
-            if count > seen {
-                counter.inc_by(count - seen);
-            }
+            catch_up(&counter, count);
         }
     }
 
@@ -209,11 +206,10 @@ impl Metrics {
             self.state_cache_bytes
                 .get_or_create(&label)
                 .set(i64::try_from(usage.bytes).unwrap_or(i64::MAX));
-            let counter = self.state_cache_evictions.get_or_create(&label);
-            let seen = counter.get();
-            if usage.evicted > seen {
-                counter.inc_by(usage.evicted - seen);
-            }
+            catch_up(
+                &self.state_cache_evictions.get_or_create(&label),
+                usage.evicted,
+            );
         }
     }
 
@@ -234,6 +230,15 @@ impl Metrics {
             let _ = prometheus_client::encoding::text::encode(&mut out, &r);
         }
         out
+    }
+}
+
+/// Brings `counter` up to `total`, a count the store keeps (only growing):
+/// a counter can only be increased, so it takes the difference.
+fn catch_up(counter: &Counter, total: u64) {
+    let seen = counter.get();
+    if total > seen {
+        counter.inc_by(total - seen);
     }
 }
 

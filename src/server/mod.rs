@@ -1363,6 +1363,25 @@ fn sse_json<T: Serialize>(kind: &str, id: i64, value: &T) -> SseEvent {
         .data(data)
 }
 
+/// The sending side of a stream's events.
+type StreamTx = mpsc::Sender<Result<SseEvent, Infallible>>;
+
+/// Waits before a stream reads again after a failure; true when its client
+/// left meanwhile (nothing else would notice while the stream retries).
+async fn gone_before_retry(tx: &StreamTx) -> bool {
+    tokio::select! {
+        _ = tx.closed() => true,
+        _ = tokio::time::sleep(Duration::from_millis(500)) => false,
+    }
+}
+
+/// Ends a stream with one `error` event saying `e`.
+async fn end_with_error(tx: &StreamTx, seq: i64, e: Error) {
+    let _ = tx
+        .send(Ok(sse_json("error", seq, &ApiError::from(e).body)))
+        .await;
+}
+
 /// Sends a session's events from `state.seq` on, then waits for more,
 /// until the client hangs up or the server shuts down.
 async fn feed_stream(
@@ -1370,7 +1389,7 @@ async fn feed_stream(
     session_id: Uuid,
     mut state: SessionState,
     announce: bool,
-    tx: mpsc::Sender<Result<SseEvent, Infallible>>,
+    tx: StreamTx,
 ) {
     let inner = server.inner.clone();
     let metrics = &inner.metrics;
@@ -1396,10 +1415,7 @@ async fn feed_stream(
             Ok(w) => w,
             Err(e) => {
                 warn!(cause = %e, "cannot watch the session");
-                let _ = tx
-                    .send(Ok(sse_json("error", state.seq, &ApiError::from(e).body)))
-                    .await;
-                return;
+                return end_with_error(&tx, state.seq, e).await;
             }
         };
         loop {
@@ -1414,19 +1430,16 @@ async fn feed_stream(
                     // client has gone meanwhile (nothing else would notice).
                     Err(e) if e.is_retryable() => {
                         warn!(cause = %e, "stream read failed; retrying");
-                        tokio::select! {
-                            _ = tx.closed() => return,
-                            _ = tokio::time::sleep(Duration::from_millis(500)) => continue,
+                        if gone_before_retry(&tx).await {
+                            return;
                         }
+                        continue;
                     }
                     // A failure that reading again will not mend (a row the
                     // store cannot read back): said, and the stream ends.
                     Err(e) => {
                         warn!(cause = %e, "stream read failed; the stream ends");
-                        let _ = tx
-                            .send(Ok(sse_json("error", state.seq, &ApiError::from(e).body)))
-                            .await;
-                        return;
+                        return end_with_error(&tx, state.seq, e).await;
                     }
                 };
                 if page.is_empty() {
@@ -1443,10 +1456,7 @@ async fn feed_stream(
                     if let Err(e) = store.apply_to_rowless(&mut state, ev).await {
                         // The client resumes from the last event it got.
                         warn!(cause = %e, "stream could not follow a compaction");
-                        let _ = tx
-                            .send(Ok(sse_json("error", state.seq, &ApiError::from(e).body)))
-                            .await;
-                        return;
+                        return end_with_error(&tx, state.seq, e).await;
                     }
                     if tx.send(Ok(sent)).await.is_err() {
                         return;
@@ -1468,9 +1478,8 @@ async fn feed_stream(
                 r = watch.wait_past(session_id, state.seq, KEEP_ALIVE) => {
                     if let Err(e) = r {
                         debug!(cause = %e, "stream wait failed; retrying");
-                        tokio::select! {
-                            _ = tx.closed() => return,
-                            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                        if gone_before_retry(&tx).await {
+                            return;
                         }
                     }
                 }
