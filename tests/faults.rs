@@ -719,9 +719,18 @@ async fn postgres_a_server_that_stops_answering_mid_import_is_said_within_second
         "{said}"
     );
     assert!(took < Duration::from_secs(20), "said after {took:?}");
-    // Resumed, the server has the first run and the store goes on.
+    // Resumed, the server has the first run, and the second whole or not
+    // at all: it was said as not confirmed because the one-call append of
+    // a cached session may already sit in the stopped server's socket,
+    // which runs it on resuming (a CI run saw 1 000), while the locked
+    // path's statements wait for answers and never reach COMMIT.
     let stored = store.history(session, 0, 1_000).await.unwrap();
-    assert_eq!(stored.len(), 500);
+    assert!(
+        stored.len() == 500 || stored.len() == 1_000,
+        "{} events stored: a run is stored whole or not at all",
+        stored.len()
+    );
+    assert!(stored.iter().zip(1..).all(|(e, seq)| e.seq == seq));
 }
 
 /// 1 000 import lines of one session: a start and 999 prompts (two runs of
