@@ -16,6 +16,8 @@
 //! last restart, mapped to their table or index through SQLite's `dbstat`.
 //!
 //! `cargo run --release --example append_parts -- BATCH [SECONDS] [ROUNDS]`
+//! (`PARTS_ONLY=store`, `bare` or `indexed` runs that loop alone, for a
+//! profiler)
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -63,6 +65,9 @@ async fn main() -> Result<(), Error> {
     let mut runs: BTreeMap<&str, Vec<Run>> = BTreeMap::new();
     for round in 0..rounds {
         for kind in ["bare", "indexed", "store"] {
+            if std::env::var("PARTS_ONLY").is_ok_and(|only| only != kind) {
+                continue;
+            }
             let dir = tempfile::tempdir()?;
             let path = dir.path().join("parts.db");
             let mix = Mix::new(texts.clone(), 0, round as u64 + 1);
@@ -75,7 +80,9 @@ async fn main() -> Result<(), Error> {
             runs.entry(kind).or_default().push(run);
         }
     }
-    let bare = Spread::of(&runs["bare"].iter().map(|r| r.rate).collect::<Vec<_>>()).median;
+    let bare = runs.get("bare").map_or(f64::NAN, |rs| {
+        Spread::of(&rs.iter().map(|r| r.rate).collect::<Vec<_>>()).median
+    });
     println!("batch {batch}, {rounds} rounds of {seconds} s; medians");
     for (kind, rs) in &runs {
         let rate = Spread::of(&rs.iter().map(|r| r.rate).collect::<Vec<_>>());

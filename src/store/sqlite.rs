@@ -782,16 +782,149 @@ async fn head_seq<'e, E: sqlx::SqliteExecutor<'e>>(ex: E, session_id: Uuid) -> R
 /// a task of its own, holding the writer until done).
 pub(crate) struct SqliteTx {
     conn: TxConn,
-    /// Writes not sent yet (statements and their arguments).
-    pending: Option<QueryBuilder<'static, Sqlite>>,
-    /// The events rows among them ([`CACHED_ROWS`]).
-    pending_rows: usize,
+    /// Writes of accepted batches not sent yet.
+    pending: Pending,
     /// The largest position, once read ([`LogTx::head`], `prefetch`) and
     /// kept current by this transaction's inserts, so reserving positions
     /// needs no statement of its own.
     last_position: Option<i64>,
     /// What `prefetch` read for a group.
     memo: Memo,
+}
+
+/// The writes of a write transaction's accepted batches that wait for its
+/// next statement or its `COMMIT`, kept by table rather than as statements.
+///
+/// A group commits the appends waiting meanwhile together. Written as each
+/// batch's own statements, the query's text would depend on the group's
+/// mix (how many batches, which of them had calls, a view, changes, a new
+/// owner): nearly every group's text would be new, and the driver prepares
+/// a new text again, every statement of it. Kept by table, the writes go as
+/// one `INSERT` of the events rows (its text depends on their number only)
+/// and four statements of fixed text reading a JSON array each, so the
+/// driver's statement cache finds a group's query prepared.
+#[derive(Default)]
+struct Pending {
+    rows: Vec<PendingRow>,
+    /// `[session_id, call_id, tool_name, call_seq, result_seq]`, in order:
+    /// a later row for a call updates its result seq (the upsert).
+    calls: Vec<serde_json::Value>,
+    /// The latest view of each session, in the order first written.
+    views: Vec<ViewRow>,
+    /// `[position, tool, session_id, seq, recorded_at, change, evidence_seq]`.
+    changes: Vec<serde_json::Value>,
+    /// `[session_id, tenant]`.
+    claims: Vec<serde_json::Value>,
+}
+
+/// The fixed statements of [`Pending::query`] after the events rows, each
+/// binding one JSON array.
+const PENDING_DERIVED: &str = "\
+INSERT INTO calls (session_id, call_id, tool_name, call_seq, result_seq) \
+  SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3, value ->> 4 FROM json_each(?) WHERE true \
+  ON CONFLICT (session_id, call_id) DO UPDATE SET result_seq = excluded.result_seq;
+INSERT OR REPLACE INTO session_views \
+  (session_id, refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active) \
+  SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3, value ->> 4, value ->> 5, value ->> 6, \
+    value ->> 7, value ->> 8 FROM json_each(?);
+INSERT INTO activation_changes (position, tool, session_id, seq, recorded_at, change, evidence_seq) \
+  SELECT value ->> 0, value ->> 1, value ->> 2, value ->> 3, value ->> 4, value ->> 5, value ->> 6 \
+  FROM json_each(?);
+INSERT INTO session_owners (session_id, tenant) SELECT value ->> 0, value ->> 1 FROM json_each(?);
+";
+
+impl Pending {
+    fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+            && self.calls.is_empty()
+            && self.views.is_empty()
+            && self.changes.is_empty()
+            && self.claims.is_empty()
+    }
+
+    /// Takes an accepted batch's writes.
+    fn add(&mut self, w: &Accepted<'_>) {
+        let session = w.session_id.to_string();
+        self.rows.extend_from_slice(w.rows);
+        self.calls.extend(
+            w.calls
+                .iter()
+                .map(|c| serde_json::json!([session, c.0, c.1, c.2, c.3])),
+        );
+        if let Some(v) = w.view {
+            match self.views.iter_mut().find(|p| p.session_id == v.session_id) {
+                Some(p) => *p = v.clone(),
+                None => self.views.push(v.clone()),
+            }
+        }
+        self.changes.extend(w.changes.iter().map(|c| {
+            serde_json::json!([
+                c.position,
+                c.tool,
+                session,
+                c.seq,
+                sqlite_time(&c.recorded_at),
+                c.change,
+                c.evidence_seq
+            ])
+        }));
+        if let Some(tenant) = w.claim_for {
+            self.claims.push(serde_json::json!([session, tenant]));
+        }
+    }
+
+    /// The statements writing all of it, in one query of several statements
+    /// (the driver binds the `?`s in order across them and runs them all,
+    /// for one hop to its worker thread).
+    fn query(self) -> QueryBuilder<'static, Sqlite> {
+        let mut q = QueryBuilder::<Sqlite>::new("");
+        let mut rows = self.rows.into_iter().peekable();
+        while rows.peek().is_some() {
+            q.push(
+                "INSERT INTO events (position, session_id, seq, event_id, type, payload, recorded_at, hash) ",
+            );
+            q.push_values(rows.by_ref().take(INSERT_CHUNK), |mut b, r| {
+                b.push_bind(r.position)
+                    .push_bind(r.session_id.to_string())
+                    .push_bind(r.seq)
+                    .push_bind(r.event_id.to_string())
+                    .push_bind(r.type_name)
+                    .push_bind(r.payload)
+                    .push_bind(sqlite_time(&r.recorded_at))
+                    .push_bind(r.hash);
+            });
+            q.push(";\n");
+        }
+        let views: Vec<serde_json::Value> = self
+            .views
+            .into_iter()
+            .map(|v| {
+                serde_json::json!([
+                    v.session_id.to_string(),
+                    v.refresh_seq,
+                    v.mode,
+                    v.window_start,
+                    v.compaction_seq,
+                    v.summary,
+                    v.catalogs,
+                    v.evidence,
+                    v.active
+                ])
+            })
+            .collect();
+        let mut args = [self.calls, views, self.changes, self.claims]
+            .into_iter()
+            .map(|rows| serde_json::Value::Array(rows).to_string());
+        let mut parts = PENDING_DERIVED.split('?');
+        if let Some(first) = parts.next() {
+            q.push(first);
+        }
+        for part in parts {
+            q.push_bind(args.next().unwrap_or_else(|| "[]".to_owned()));
+            q.push(part);
+        }
+        q
+    }
 }
 
 enum TxConn {
@@ -866,16 +999,6 @@ UNION ALL SELECT * FROM (\
                               ELSE MAX(0, refresh_seq - window_start + 1 + ?2) END \
                    FROM session_views WHERE session_id = ?1), 0))";
 
-/// The start of the calls upsert from a JSON array of
-/// `[call_id, tool_name, call_seq, result_seq]`.
-const CALLS_FROM_JSON: &str =
-    "INSERT INTO calls (session_id, call_id, tool_name, call_seq, result_seq) SELECT ";
-/// The start of the activation changes insert from a JSON array of
-/// `[position, tool, seq, recorded_at, change, evidence_seq]`.
-const CHANGES_FROM_JSON: &str = "INSERT INTO activation_changes \
-     (position, tool, session_id, seq, recorded_at, change, evidence_seq) \
-     SELECT value ->> 0, value ->> 1, ";
-
 macro_rules! prefetch_sql {
     () => {
         "\
@@ -902,8 +1025,7 @@ impl SqliteTx {
     fn new(conn: TxConn) -> SqliteTx {
         SqliteTx {
             conn,
-            pending: None,
-            pending_rows: 0,
+            pending: Pending::default(),
             last_position: None,
             memo: Memo::default(),
         }
@@ -916,10 +1038,13 @@ impl SqliteTx {
             TxConn::Read(tx) => Ok(&mut **tx),
             TxConn::Write(w) => {
                 w.begin().await?;
-                if let Some(mut q) = self.pending.take() {
-                    let rows = std::mem::take(&mut self.pending_rows);
-                    q.build()
-                        .persistent(rows <= CACHED_ROWS)
+                if !self.pending.is_empty() {
+                    let pending = std::mem::take(&mut self.pending);
+                    let persistent = pending.rows.len() <= CACHED_ROWS;
+                    pending
+                        .query()
+                        .build()
+                        .persistent(persistent)
                         .execute(w.conn()?)
                         .await
                         .map_err(Error::from_sqlx)?;
@@ -1047,7 +1172,7 @@ impl LogTx for SqliteTx {
         // with the read (the driver runs the statements of one query in
         // order and binds the parameters to the one that has them).
         let opening = match &mut self.conn {
-            TxConn::Write(w) if !w.in_tx && self.pending.is_none() => {
+            TxConn::Write(w) if !w.in_tx && self.pending.is_empty() => {
                 w.in_tx = true;
                 true
             }
@@ -1186,101 +1311,8 @@ impl LogTx for SqliteTx {
     }
 
     async fn write_accepted(&mut self, w: Accepted<'_>) -> Result<()> {
-        // Every write of the batch in one query of several statements: the
-        // driver binds `?`s in order across them and runs them all, for one
-        // hop to its worker thread instead of one per statement.
-        let session = w.session_id.to_string();
-        let mut q = self
-            .pending
-            .take()
-            .unwrap_or_else(|| QueryBuilder::<Sqlite>::new(""));
-        for chunk in w.rows.chunks(INSERT_CHUNK) {
-            q.push(
-                "INSERT INTO events (position, session_id, seq, event_id, type, payload, recorded_at, hash) ",
-            );
-            q.push_values(chunk, |mut b, r| {
-                b.push_bind(r.position)
-                    .push_bind(r.session_id.to_string())
-                    .push_bind(r.seq)
-                    .push_bind(r.event_id.to_string())
-                    .push_bind(r.type_name)
-                    .push_bind(r.payload.clone())
-                    .push_bind(
-                        r.recorded_at
-                            .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
-                    )
-                    .push_bind(r.hash.clone());
-            });
-            q.push(";\n");
-        }
-        // The calls and the activation changes go as one JSON array each,
-        // so that the text of the whole query depends on the number of
-        // events only: a text the driver has not seen is prepared again
-        // (all its statements), and the number of calls and changes varies
-        // from batch to batch.
-        if !w.calls.is_empty() {
-            let rows: Vec<serde_json::Value> = w
-                .calls
-                .iter()
-                .map(|c| serde_json::json!([c.0, c.1, c.2, c.3]))
-                .collect();
-            q.push(CALLS_FROM_JSON);
-            q.push_bind(session.clone());
-            q.push(", value ->> 0, value ->> 1, value ->> 2, value ->> 3 FROM json_each(");
-            q.push_bind(serde_json::Value::Array(rows).to_string());
-            q.push(
-                ") WHERE true ON CONFLICT (session_id, call_id) DO UPDATE SET result_seq = excluded.result_seq;\n",
-            );
-        }
-        if let Some(v) = w.view {
-            q.push(
-                "INSERT OR REPLACE INTO session_views \
-                 (session_id, refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active) ",
-            );
-            q.push_values([v], |mut b, v| {
-                b.push_bind(session.clone())
-                    .push_bind(v.refresh_seq)
-                    .push_bind(v.mode.clone())
-                    .push_bind(v.window_start)
-                    .push_bind(v.compaction_seq)
-                    .push_bind(v.summary.clone())
-                    .push_bind(v.catalogs.clone())
-                    .push_bind(v.evidence.clone())
-                    .push_bind(v.active.clone());
-            });
-            q.push(";\n");
-        }
-        if !w.changes.is_empty() {
-            let rows: Vec<serde_json::Value> = w
-                .changes
-                .iter()
-                .map(|c| {
-                    serde_json::json!([
-                        c.position,
-                        c.tool,
-                        c.seq,
-                        sqlite_time(&c.recorded_at),
-                        c.change,
-                        c.evidence_seq
-                    ])
-                })
-                .collect();
-            q.push(CHANGES_FROM_JSON);
-            q.push_bind(session.clone());
-            q.push(", value ->> 2, value ->> 3, value ->> 4, value ->> 5 FROM json_each(");
-            q.push_bind(serde_json::Value::Array(rows).to_string());
-            q.push(");\n");
-        }
-        if let Some(tenant) = w.claim_for {
-            q.push("INSERT INTO session_owners (session_id, tenant) ");
-            q.push_values([tenant], |mut b, t| {
-                b.push_bind(session.clone()).push_bind(t.to_owned());
-            });
-            q.push(";\n");
-        }
-        self.pending_rows += w.rows.len();
         // Sent with the next statement or the COMMIT (`SqliteTx::conn`).
-        self.pending = Some(q);
+        self.pending.add(&w);
         self.accepted(&w);
         // SQLite has no notifications; subscribers poll.
         Ok(())
@@ -1670,15 +1702,14 @@ impl LogTx for SqliteTx {
         // still finds the open transaction and rolls it back, instead of
         // leaving the file's write lock held until this process writes
         // again.
-        let pending = self.pending.take();
-        let pending_rows = std::mem::take(&mut self.pending_rows);
+        let pending = std::mem::take(&mut self.pending);
         match &mut self.conn {
             TxConn::Read(_) => match std::mem::replace(&mut self.conn, TxConn::Done) {
                 TxConn::Read(tx) => tx.commit().await.map_err(Error::from_sqlx),
                 _ => Ok(()),
             },
             TxConn::Write(w) => {
-                if !w.in_tx && pending.is_none() {
+                if !w.in_tx && pending.is_empty() {
                     // Nothing was sent: nothing to commit.
                     return Ok(());
                 }
@@ -1691,13 +1722,14 @@ impl LogTx for SqliteTx {
                     return Err(e);
                 }
                 // The pending writes and the COMMIT, in one hop.
-                let mut q = pending.unwrap_or_else(|| QueryBuilder::<Sqlite>::new(""));
+                let persistent = pending.rows.len() <= CACHED_ROWS;
+                let mut q = if pending.is_empty() {
+                    QueryBuilder::<Sqlite>::new("")
+                } else {
+                    pending.query()
+                };
                 q.push("COMMIT;");
-                let committed = q
-                    .build()
-                    .persistent(pending_rows <= CACHED_ROWS)
-                    .execute(w.conn()?)
-                    .await;
+                let committed = q.build().persistent(persistent).execute(w.conn()?).await;
                 match committed {
                     Ok(_) => {
                         w.in_tx = false;
