@@ -373,3 +373,50 @@ both_backends!(
         other.close().await;
     }
 );
+
+// A group does not read ahead the view of a session whose state this
+// process's cache knows (an append of its own left it). When another
+// instance appended a refresh point meanwhile, the append must read the
+// view it changed, and write its view and activation changes as if it had
+// been read ahead: `verify` recomputes both from the log.
+both_backends!(
+    a_view_changed_by_another_instance_is_read_when_the_cache_is_stale,
+    |url: String| async move {
+        let (a, b) = (
+            Store::open(&url).await.unwrap(),
+            Store::open(&url).await.unwrap(),
+        );
+        let s = Uuid::new_v4();
+        let catalog = NewEvent::new(EventBody::CatalogDefined {
+            mode: "agent".into(),
+            deferred_tools: vec!["Deploy".into(), "Grep".into()],
+        });
+        a.append(s, 0, vec![started(), catalog, prompt("one")])
+            .await
+            .unwrap();
+        b.append(
+            s,
+            3,
+            vec![
+                call("c1", "ToolSearch"),
+                result("c1", "ToolSearch", Some(vec!["Deploy".into()])),
+                prompt("two"),
+            ],
+        )
+        .await
+        .unwrap();
+        // No read by `a` in between: its cache still holds seq 3.
+        a.append(s, 6, vec![prompt("three")]).await.unwrap();
+        assert_eq!(a.verify(s).await.unwrap(), None);
+        let active = a.activations(s, None).await.unwrap();
+        assert_eq!(active.as_of_seq, 7);
+        assert_eq!(
+            active
+                .tools
+                .iter()
+                .map(|t| t.name.as_str())
+                .collect::<Vec<_>>(),
+            vec!["Deploy"]
+        );
+    }
+);

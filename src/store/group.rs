@@ -202,7 +202,15 @@ async fn run<T: LogTx>(
             _ => None,
         }));
     }
-    let prefetched = tx.prefetch(&sessions, &ids, &calls).await;
+    // A view this process's cache knows is not read ahead (a group of 16
+    // appends read 16 views it did not use); if another writer appended
+    // meanwhile, the judgement reads it when it asks.
+    let views: Vec<Uuid> = sessions
+        .iter()
+        .copied()
+        .filter(|s| !states.knows(*s))
+        .collect();
+    let prefetched = tx.prefetch(&sessions, &views, &ids, &calls).await;
     drop(calls);
     if let Err(e) = prefetched {
         for p in group {

@@ -332,17 +332,20 @@ pub(crate) trait LogTx: Send {
     }
     /// Reads ahead what the group's judgements will ask for: the heads of
     /// `sessions`, the stored events with any of `ids`, and (where the
-    /// backend serves them too) the sessions' views and the calls index
-    /// rows of `calls` (session, call id), in one round trip, so that the
-    /// reads of each append of a group cost none until the transaction
-    /// writes that session. The default reads nothing.
+    /// backend serves them too) the views of `views` (sessions whose view
+    /// this process's cache does not know; a backend may read those of all
+    /// `sessions`) and the calls index rows of `calls` (session, call id),
+    /// in one round trip, so that the reads of each append of a group cost
+    /// none until the transaction writes that session. A view not read
+    /// ahead is read when asked for. The default reads nothing.
     fn prefetch(
         &mut self,
         sessions: &[Uuid],
+        views: &[Uuid],
         ids: &[Uuid],
         calls: &[(Uuid, &str)],
     ) -> impl Future<Output = Result<()>> + Send {
-        let _ = (sessions, ids, calls);
+        let _ = (sessions, views, ids, calls);
         async { Ok(()) }
     }
     /// Writes an accepted batch: its rows, calls, view and owner, and the
@@ -865,6 +868,17 @@ impl StateCache {
         m.states.get_mut(&session_id).map(|c| {
             c.used = tick;
             read(&c.warm.state)
+        })
+    }
+
+    /// Whether an append of this process left the session's state here with
+    /// what it knew ([`Known`]: the stored view among it), so a group need
+    /// not read its view ahead.
+    pub(crate) fn knows(&self, session_id: Uuid) -> bool {
+        self.0.lock().is_ok_and(|m| {
+            m.states
+                .get(&session_id)
+                .is_some_and(|c| c.warm.known.is_some())
         })
     }
 

@@ -1041,7 +1041,8 @@ impl LogTx for PgTx {
                 .iter()
                 .all(|id| self.asked.contains(id) && !self.written.contains(id));
         if !read_ahead {
-            self.prefetch(&[session_id], ids, &[]).await?;
+            self.prefetch(&[session_id], &[session_id], ids, &[])
+                .await?;
         }
         let (head, hash) = self.heads.get(&session_id).cloned().unwrap_or((0, None));
         let stored = ids
@@ -1054,9 +1055,12 @@ impl LogTx for PgTx {
     async fn prefetch(
         &mut self,
         sessions: &[Uuid],
+        _views: &[Uuid],
         ids: &[Uuid],
         calls: &[(Uuid, &str)],
     ) -> Result<()> {
+        // The views of all `sessions` are read (in the one JSON value that
+        // also brings the calls, so they cost no round trip of their own).
         if self.is_optimistic() {
             // Everything it would read was assumed.
             return Ok(());

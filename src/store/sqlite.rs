@@ -969,18 +969,25 @@ struct Memo {
 struct SessionMemo {
     head: i64,
     hash: Option<String>,
-    view: Option<ViewRow>,
+    /// The stored view, once read or written here (`Some(None)`: none is
+    /// stored); `None` while not read (a session whose view the process's
+    /// cache knew was not asked for).
+    view: Option<Option<ViewRow>>,
     /// The call ids asked for (or written here).
     asked_calls: HashSet<String>,
     /// The calls index rows among them, by call id.
     calls: HashMap<String, CallRow>,
 }
 
-/// The prefetch, one statement of rows of five kinds, told apart by the
-/// first column (SQLite's columns take any type): 0 a session's head seq
-/// and hash, 1 a stored event with one of the ids, 2 a session's view,
-/// 3 a calls index row, 4 the largest position. The lists come as JSON
-/// arrays, so the statement's text never changes and stays prepared.
+/// The prefetch, one statement of rows of three kinds, told apart by the
+/// first column (SQLite's columns take any type): 0 one row of the largest
+/// position, the sessions' heads (`[session, seq, hash]`) and the calls
+/// index rows asked for (`[session, call id, tool, call seq, result seq]`),
+/// both as JSON arrays; 1 a stored event with one of the ids; 2 a session's
+/// view. The lists come as JSON arrays, so the statement's text never
+/// changes and stays prepared. The heads and calls come as one row
+/// because the driver hands each row to the caller's task on its own, a
+/// thread's wake-up each (a group of 16 appends read ~40 rows).
 /// [`SqliteBackend::view_and_window`]: the view row (kind 0), then the
 /// events from the view's window start on, at most the window and `?2`
 /// more (kind 1); one snapshot, as any single statement. (SQLite refuses
@@ -1002,19 +1009,19 @@ UNION ALL SELECT * FROM (\
 macro_rules! prefetch_sql {
     () => {
         "\
-SELECT 0, s.value, \
-    (SELECT seq FROM events WHERE session_id = s.value ORDER BY seq DESC LIMIT 1), \
-    (SELECT hash FROM events WHERE session_id = s.value ORDER BY seq DESC LIMIT 1), \
-    NULL, NULL, NULL, NULL, NULL, NULL \
-  FROM json_each(?1) s \
+SELECT 0, NULL, (SELECT COALESCE(MAX(position), 0) FROM events), \
+    (SELECT json_group_array(json_array(s.value, \
+        (SELECT seq FROM events WHERE session_id = s.value ORDER BY seq DESC LIMIT 1), \
+        (SELECT hash FROM events WHERE session_id = s.value ORDER BY seq DESC LIMIT 1))) \
+      FROM json_each(?1) s), \
+    (SELECT json_group_array(json_array(c.session_id, c.call_id, c.tool_name, c.call_seq, c.result_seq)) \
+      FROM json_each(?3) j JOIN calls c \
+        ON c.session_id = json_extract(j.value, '$[0]') AND c.call_id = json_extract(j.value, '$[1]')), \
+    NULL, NULL, NULL, NULL, NULL \
 UNION ALL SELECT 1, session_id, position, seq, event_id, payload, recorded_at, hash, NULL, NULL \
   FROM events WHERE event_id IN (SELECT value FROM json_each(?2)) \
 UNION ALL SELECT 2, session_id, refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active \
-  FROM session_views WHERE session_id IN (SELECT value FROM json_each(?1)) \
-UNION ALL SELECT 3, c.session_id, c.call_id, c.tool_name, c.call_seq, c.result_seq, NULL, NULL, NULL, NULL \
-  FROM json_each(?3) j JOIN calls c \
-    ON c.session_id = json_extract(j.value, '$[0]') AND c.call_id = json_extract(j.value, '$[1]') \
-UNION ALL SELECT 4, NULL, (SELECT COALESCE(MAX(position), 0) FROM events), NULL, NULL, NULL, NULL, NULL, NULL, NULL"
+  FROM session_views WHERE session_id IN (SELECT value FROM json_each(?4))"
     };
 }
 const PREFETCH: &str = prefetch_sql!();
@@ -1070,7 +1077,7 @@ impl SqliteTx {
                 (m.head, m.hash) = (last.seq, Some(last.hash.clone()));
             }
             if let Some(view) = w.view {
-                m.view = Some(view.clone());
+                m.view = Some(Some(view.clone()));
             }
             for call in w.calls {
                 m.asked_calls.insert(call.0.clone());
@@ -1103,6 +1110,11 @@ impl SqliteTx {
 /// `VIEW_AND_WINDOW`) whose columns are not what its kind says.
 fn corrupt_row(e: sqlx::Error) -> Error {
     Error::Corrupt(format!("a row read ahead could not be read: {e}"))
+}
+
+/// A JSON array of a row read ahead that is not what its statement builds.
+fn corrupt_json(e: serde_json::Error) -> Error {
+    Error::Corrupt(format!("a list read ahead could not be read: {e}"))
 }
 
 /// The event of a row of several kinds: session id, position, seq, event
@@ -1156,12 +1168,12 @@ impl LogTx for SqliteTx {
     async fn prefetch(
         &mut self,
         sessions: &[Uuid],
+        views: &[Uuid],
         ids: &[Uuid],
         calls: &[(Uuid, &str)],
     ) -> Result<()> {
         let json = |v: Vec<serde_json::Value>| serde_json::Value::Array(v).to_string();
-        let sessions_json = json(sessions.iter().map(|s| s.to_string().into()).collect());
-        let ids_json = json(ids.iter().map(|i| i.to_string().into()).collect());
+        let strings = |v: &[Uuid]| json(v.iter().map(|s| s.to_string().into()).collect());
         let calls_json = json(
             calls
                 .iter()
@@ -1179,9 +1191,10 @@ impl LogTx for SqliteTx {
             _ => false,
         };
         let query = sqlx::query(if opening { BEGIN_PREFETCH } else { PREFETCH })
-            .bind(sessions_json)
-            .bind(ids_json)
-            .bind(calls_json);
+            .bind(strings(sessions))
+            .bind(strings(ids))
+            .bind(calls_json)
+            .bind(strings(views));
         let conn = match &mut self.conn {
             TxConn::Write(w) if opening => w.conn()?,
             _ => self.conn().await?,
@@ -1191,54 +1204,57 @@ impl LogTx for SqliteTx {
             ids: ids.iter().copied().collect(),
             ..Memo::default()
         };
-        let mut views = HashMap::new();
+        let mut views_read = HashMap::new();
         let mut found_calls: HashMap<Uuid, HashMap<String, CallRow>> = HashMap::new();
+        let parse_id = |s: &str| -> Result<Uuid> {
+            Uuid::parse_str(s).map_err(|_| Error::Corrupt(format!("bad session_id {s:?}")))
+        };
         for row in rows {
             let kind: i64 = row.try_get(0).map_err(corrupt_row)?;
-            let session = |row: &sqlx::sqlite::SqliteRow| -> Result<Uuid> {
-                let s: String = row.try_get(1).map_err(corrupt_row)?;
-                Uuid::parse_str(&s).map_err(|_| Error::Corrupt(format!("bad session_id {s:?}")))
-            };
             match kind {
                 0 => {
-                    let head: Option<i64> = row.try_get(2).map_err(corrupt_row)?;
-                    let hash: Option<String> = row.try_get(3).map_err(corrupt_row)?;
-                    memo.sessions.insert(
-                        session(&row)?,
-                        SessionMemo {
-                            head: head.unwrap_or(0),
-                            hash,
-                            view: None,
-                            asked_calls: HashSet::new(),
-                            calls: HashMap::new(),
-                        },
-                    );
+                    self.last_position = Some(row.try_get(2).map_err(corrupt_row)?);
+                    let heads: String = row.try_get(3).map_err(corrupt_row)?;
+                    let heads: Vec<(String, Option<i64>, Option<String>)> =
+                        serde_json::from_str(&heads).map_err(corrupt_json)?;
+                    for (session, head, hash) in heads {
+                        memo.sessions.insert(
+                            parse_id(&session)?,
+                            SessionMemo {
+                                head: head.unwrap_or(0),
+                                hash,
+                                view: None,
+                                asked_calls: HashSet::new(),
+                                calls: HashMap::new(),
+                            },
+                        );
+                    }
+                    let found: String = row.try_get(4).map_err(corrupt_row)?;
+                    let found: Vec<(String, String, String, i64, Option<i64>)> =
+                        serde_json::from_str(&found).map_err(corrupt_json)?;
+                    for (session, call_id, tool, call_seq, result_seq) in found {
+                        found_calls
+                            .entry(parse_id(&session)?)
+                            .or_default()
+                            .insert(call_id.clone(), (call_id, tool, call_seq, result_seq));
+                    }
                 }
                 1 => {
                     let event = event_at(&row)?;
                     memo.stored.insert(event.event_id, event);
                 }
-                2 => {
-                    let id = session(&row)?;
-                    views.insert(id, ViewRow::from_columns(id, view_at(&row, 2)?));
+                _ => {
+                    let session: String = row.try_get(1).map_err(corrupt_row)?;
+                    let id = parse_id(&session)?;
+                    views_read.insert(id, ViewRow::from_columns(id, view_at(&row, 2)?));
                 }
-                3 => {
-                    let call: CallRow = (
-                        row.try_get(2).map_err(corrupt_row)?,
-                        row.try_get(3).map_err(corrupt_row)?,
-                        row.try_get(4).map_err(corrupt_row)?,
-                        row.try_get(5).map_err(corrupt_row)?,
-                    );
-                    found_calls
-                        .entry(session(&row)?)
-                        .or_default()
-                        .insert(call.0.clone(), call);
-                }
-                _ => self.last_position = Some(row.try_get(2).map_err(corrupt_row)?),
             }
         }
+        let views: HashSet<&Uuid> = views.iter().collect();
         for (id, m) in memo.sessions.iter_mut() {
-            m.view = views.remove(id);
+            if views.contains(id) {
+                m.view = Some(views_read.remove(id));
+            }
             m.calls = found_calls.remove(id).unwrap_or_default();
         }
         for (s, c) in calls {
@@ -1402,8 +1418,13 @@ impl LogTx for SqliteTx {
     }
 
     async fn load_view(&mut self, session_id: Uuid) -> Result<Option<ViewRow>> {
-        if let Some(m) = self.memo.sessions.get(&session_id) {
-            return Ok(m.view.clone());
+        if let Some(view) = self
+            .memo
+            .sessions
+            .get(&session_id)
+            .and_then(|m| m.view.as_ref())
+        {
+            return Ok(view.clone());
         }
         let row: Option<ViewColumns> = sqlx::query_as(
             "SELECT refresh_seq, mode, window_start, compaction_seq, summary, catalogs, evidence, active \
