@@ -174,7 +174,7 @@ impl Metrics {
 
     /// Brings `append_groups` up to the store's counts (they only grow).
     /// Many optimistic groups abandoned means instances keep writing the
-    /// same sessions (docs/design.md, "Optimistic appends on PostgreSQL").
+    /// same sessions (docs/design.md, "Optimistic appends").
     pub fn observe_paths(&self, paths: crate::store::AppendPaths) {
         let Ok(_guard) = self.paths_sync.lock() else {
             return;

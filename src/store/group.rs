@@ -37,7 +37,8 @@ use std::sync::Arc;
 use tokio::sync::{oneshot, OwnedMutexGuard};
 use uuid::Uuid;
 
-use super::postgres::{OptimisticMiss, PgBackend};
+use super::postgres::{OptimisticMiss, PgTx};
+use super::sqlite::SqliteTx;
 use super::{append_in, Backend, LogTx, StateCache, StoreOptions, Warm};
 use crate::error::{Error, Result};
 use crate::event::{EventBody, NewEvent};
@@ -146,8 +147,13 @@ pub(crate) async fn commit_group(
     slot: OwnedMutexGuard<()>,
 ) {
     let group = match &backend {
-        Backend::Postgres(b) => optimistic(b, &options, &states, &paths, group).await,
-        Backend::Sqlite(_) => Some(group),
+        _ if options.fault_pause_before_commit.is_some() => Some(group),
+        Backend::Postgres(b) => optimistic(b.optimistic(), &options, &states, &paths, group).await,
+        Backend::Sqlite(b) => match b.begin_optimistic().await {
+            Ok(Some(tx)) => optimistic(tx, &options, &states, &paths, group).await,
+            // The locked path opens the writer again and says any error.
+            _ => Some(group),
+        },
     };
     if let Some(group) = group {
         paths.locked.fetch_add(1, Ordering::Relaxed);
@@ -292,15 +298,18 @@ async fn run<T: LogTx>(
     }
 }
 
-/// PostgreSQL's one-round-trip group (docs/design.md, "Optimistic appends
-/// on PostgreSQL"): when an append of this process left every session of
-/// the group in the cache, with its head's hash, stored view and owner
-/// known, the group is judged against those without reading the database,
-/// and its writes go in one autocommitted call of `session_store_append`
+/// The one-round-trip group (docs/design.md, "Optimistic appends"): when
+/// an append of this process left every session of the group in the cache,
+/// with its head's hash, stored view and owner known, the group is judged
+/// against those without reading the database, and its writes go in one
+/// round trip that checks what the judgement assumed before it commits:
+/// on PostgreSQL one autocommitted call of `session_store_append`
 /// (migration 0007), which takes the counter's lock, checks that every
 /// session's head is still the one judged against and that no call id the
 /// judgement took as new is stored, then writes, with the positions moved
-/// past the counter.
+/// past the counter; on SQLite one query that takes the write lock, checks
+/// that the log still ends where this writer's last commit left it (and
+/// the call ids), writes and commits.
 ///
 /// Returns the group untouched (no reply sent) when it must be judged
 /// under the lock instead: a session not known, a read the cache cannot
@@ -310,17 +319,13 @@ async fn run<T: LogTx>(
 /// append of the attempt advanced are dropped (the locked path reads
 /// them afresh); the others go back to the cache. A call that failed in
 /// any other way may have committed: its appends get the error.
-async fn optimistic(
-    b: &PgBackend,
+async fn optimistic<T: OptimisticTx>(
+    mut tx: T,
     options: &StoreOptions,
     states: &StateCache,
     paths: &PathCounters,
     group: Vec<Pending>,
 ) -> Option<Vec<Pending>> {
-    if options.fault_pause_before_commit.is_some() {
-        return Some(group);
-    }
-    let mut tx = b.optimistic();
     let mut local: HashMap<Uuid, Warm> = HashMap::new();
     let mut heads: HashMap<Uuid, i64> = HashMap::new();
     for p in group.iter().filter(|p| !p.reply.is_closed()) {
@@ -430,6 +435,42 @@ async fn optimistic(
         }
     }
     None
+}
+
+/// A transaction an optimistic group is judged in ([`optimistic`]).
+pub(crate) trait OptimisticTx: LogTx {
+    /// Judge `warm`'s session against its cached head, hash, view and
+    /// owner (the commit checks the head).
+    fn assume(&mut self, warm: &Warm);
+    /// Commits the group's writes in one round trip, checking what the
+    /// judgement assumed; `Ok` has the base its positions were reserved
+    /// from (PostgreSQL reserves them from 0 and moves them past its
+    /// counter; SQLite knows where the log ends: 0).
+    fn commit_optimistic(
+        self,
+    ) -> impl std::future::Future<Output = std::result::Result<i64, OptimisticMiss>> + Send;
+}
+
+impl OptimisticTx for PgTx {
+    fn assume(&mut self, warm: &Warm) {
+        PgTx::assume(self, warm)
+    }
+    fn commit_optimistic(
+        self,
+    ) -> impl std::future::Future<Output = std::result::Result<i64, OptimisticMiss>> + Send {
+        PgTx::commit_optimistic(self)
+    }
+}
+
+impl OptimisticTx for SqliteTx {
+    fn assume(&mut self, warm: &Warm) {
+        SqliteTx::assume(self, warm)
+    }
+    fn commit_optimistic(
+        self,
+    ) -> impl std::future::Future<Output = std::result::Result<i64, OptimisticMiss>> + Send {
+        SqliteTx::commit_optimistic(self)
+    }
 }
 
 #[cfg(test)]

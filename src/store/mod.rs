@@ -13,10 +13,10 @@
 //! 4. validates each event against the session state after the batch's
 //!    earlier events (§4) and inserts the batch in one transaction.
 //!
-//! On PostgreSQL, a group of appends to sessions this process wrote last is
-//! judged against what those appends knew (`Known`) and written in one
-//! call that checks, under the lock, that nothing changed since (`group`,
-//! docs/design.md "Optimistic appends on PostgreSQL"); the steps above run
+//! A group of appends to sessions this process wrote last is judged against
+//! what those appends knew (`Known`) and written in one round trip that
+//! checks, under the lock, that nothing changed since (`group`,
+//! docs/design.md "Optimistic appends"); the steps above run
 //! again under the lock when it did.
 //!
 //! The session state used for validation is cached per session and caught up
@@ -100,14 +100,14 @@ const STATE_CACHE_SESSIONS: usize = 256;
 
 /// How many groups of appends (one commit each, see `group`) this process
 /// committed each way: a figure for operators and tests, since the
-/// optimistic path is the one that makes a PostgreSQL append one round
-/// trip (docs/design.md, "Optimistic appends on PostgreSQL").
+/// optimistic path is the one that makes an append one round trip (docs/design.md, "Optimistic appends").
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct AppendPaths {
     /// Groups judged against the log under the write lock.
     pub locked: u64,
     /// Groups judged against this process's cached states and written in
-    /// one call (PostgreSQL only).
+    /// one round trip (on SQLite, only while no other process writes
+    /// between this one's groups).
     pub optimistic: u64,
     /// Optimistic groups whose write found the log moved (another instance
     /// appended) or that a judgement could not finish from the cache; each

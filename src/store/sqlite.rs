@@ -21,6 +21,7 @@ use sqlx::{
 };
 use uuid::Uuid;
 
+use super::postgres::OptimisticMiss;
 use super::{
     upsert_call, Accepted, CallRow, ChangeRow, LogTx, PendingRow, StoreOptions, ViewColumns,
     ViewRow,
@@ -104,6 +105,18 @@ pub(crate) struct Writer {
     /// The store's file as opened (`None` in memory): a commit checks that
     /// the path still names it.
     file: Option<StoreFile>,
+    /// The largest position when this writer last committed (`None` when
+    /// not known): if the log still ends there, nobody else wrote since,
+    /// and an optimistic group may judge against the state cache.
+    last_committed: Option<i64>,
+    /// Whether this connection has the optimistic check's temporary table.
+    has_check: bool,
+    /// Whether the log ended where this writer's last commit left it when
+    /// its last group looked (its read-ahead), and no optimistic check has
+    /// failed since: while another process writes between this one's
+    /// groups, each optimistic attempt would be judged twice and fail its
+    /// check, so groups go to the lock until the log is quiet again.
+    quiet: bool,
 }
 
 /// The file a store opened, by device and inode: if it is removed or
@@ -177,6 +190,7 @@ impl Writer {
                 if !e.to_string().contains("no transaction is active") {
                     tracing::warn!(cause = %e, "rolling back on the SQLite writer failed; reopening it");
                     self.conn = None;
+                    self.has_check = false;
                 }
             }
         }
@@ -530,6 +544,9 @@ impl SqliteBackend {
                 in_tx: false,
                 closed: false,
                 file: file.clone(),
+                last_committed: None,
+                has_check: false,
+                quiet: false,
             })),
             connect: Arc::new(connect),
             path: path.into(),
@@ -577,8 +594,27 @@ impl SqliteBackend {
         if w.conn.is_none() {
             let connect = &*self.connect;
             w.conn = Some(open_busy(&self.path, || SqliteConnection::connect_with(connect)).await?);
+            w.has_check = false;
         }
         Ok(SqliteTx::new(TxConn::Write(w)))
+    }
+
+    /// The writer, for an optimistic group (docs/design.md, "Optimistic
+    /// appends"): nothing is sent until [`SqliteTx::commit_optimistic`],
+    /// and reads are answered from what [`SqliteTx::assume`] was given.
+    /// `None` when this writer does not know where the log ended at its
+    /// last commit (then the group is judged under the lock).
+    pub(crate) async fn begin_optimistic(&self) -> Result<Option<SqliteTx>> {
+        let mut tx = self.begin_write().await?;
+        let TxConn::Write(w) = &tx.conn else {
+            return Ok(None);
+        };
+        let (Some(last), true) = (w.last_committed, w.quiet) else {
+            return Ok(None);
+        };
+        tx.optimistic = true;
+        tx.last_position = Some(last);
+        Ok(Some(tx))
     }
 
     /// A read transaction: one snapshot for the view, window and tail.
@@ -790,6 +826,12 @@ pub(crate) struct SqliteTx {
     last_position: Option<i64>,
     /// What `prefetch` read for a group.
     memo: Memo,
+    /// An optimistic group's transaction: no statement is sent before its
+    /// commit, which checks what the judgement assumed.
+    optimistic: bool,
+    /// Calls index keys the optimistic judgement took as absent (the
+    /// cache forgets calls outside a window), checked by the commit.
+    absent_calls: Vec<(Uuid, String)>,
 }
 
 /// The writes of a write transaction's accepted batches that wait for its
@@ -878,6 +920,12 @@ impl Pending {
     /// for one hop to its worker thread).
     fn query(self) -> QueryBuilder<'static, Sqlite> {
         let mut q = QueryBuilder::<Sqlite>::new("");
+        self.push_to(&mut q);
+        q
+    }
+
+    /// [`Pending::query`]'s statements, after what `q` holds.
+    fn push_to(self, q: &mut QueryBuilder<'static, Sqlite>) {
         let mut rows = self.rows.into_iter().peekable();
         while rows.peek().is_some() {
             q.push(
@@ -923,7 +971,6 @@ impl Pending {
             q.push_bind(args.next().unwrap_or_else(|| "[]".to_owned()));
             q.push(part);
         }
-        q
     }
 }
 
@@ -964,6 +1011,8 @@ struct Memo {
     stored: HashMap<Uuid, StoredEvent>,
     /// Event ids this transaction wrote.
     written: HashSet<Uuid>,
+    /// Owners the state cache knew (an optimistic group's).
+    owners: HashMap<Uuid, String>,
 }
 
 struct SessionMemo {
@@ -1035,12 +1084,17 @@ impl SqliteTx {
             pending: Pending::default(),
             last_position: None,
             memo: Memo::default(),
+            optimistic: false,
+            absent_calls: Vec::new(),
         }
     }
 
     /// The connection, ready for a statement of this transaction: on the
     /// writer, the `BEGIN IMMEDIATE` and the pending writes sent first.
     async fn conn(&mut self) -> Result<&mut SqliteConnection> {
+        if self.optimistic {
+            return Err(optimistic_miss());
+        }
         match &mut self.conn {
             TxConn::Read(tx) => Ok(&mut **tx),
             TxConn::Write(w) => {
@@ -1112,6 +1166,34 @@ fn corrupt_row(e: sqlx::Error) -> Error {
     Error::Corrupt(format!("a row read ahead could not be read: {e}"))
 }
 
+/// The error of a read an optimistic transaction cannot answer; never seen
+/// by a caller (the group is judged again under the lock).
+fn optimistic_miss() -> Error {
+    Error::Database("an optimistic append needed a read the cache cannot answer".to_owned())
+}
+
+/// The optimistic check's temporary table, created once per writer
+/// connection: a row whose `ok` is not 1 raises, any other is dropped.
+const CHECK_SETUP: &str = "\
+CREATE TEMP TABLE IF NOT EXISTS optimistic_check (ok INTEGER);
+CREATE TEMP TRIGGER IF NOT EXISTS optimistic_check_row BEFORE INSERT ON optimistic_check BEGIN \
+  SELECT CASE WHEN NEW.ok IS 1 THEN RAISE(IGNORE) \
+    ELSE RAISE(ABORT, 'the log moved since the optimistic append was judged') END; \
+END;
+";
+
+/// The check an optimistic commit runs first, under the write lock: the log
+/// still ends at the position the judgement assumed (so nobody else wrote
+/// since this writer's last commit, and every head is the cache's), and no
+/// call id it took as absent is stored (`[session, call id]` pairs).
+const CHECK: &str = "\
+BEGIN IMMEDIATE;
+INSERT INTO temp.optimistic_check (ok) SELECT \
+  (SELECT COALESCE(MAX(position), 0) FROM events) = ? \
+  AND NOT EXISTS (SELECT 1 FROM json_each(?) j JOIN calls c \
+    ON c.session_id = j.value ->> 0 AND c.call_id = j.value ->> 1);
+";
+
 /// A JSON array of a row read ahead that is not what its statement builds.
 fn corrupt_json(e: serde_json::Error) -> Error {
     Error::Corrupt(format!("a list read ahead could not be read: {e}"))
@@ -1146,6 +1228,9 @@ fn view_at(row: &sqlx::sqlite::SqliteRow, first: usize) -> Result<ViewColumns> {
 
 impl LogTx for SqliteTx {
     async fn head_seq(&mut self, session_id: Uuid) -> Result<i64> {
+        if let (true, Some(m)) = (self.optimistic, self.memo.sessions.get(&session_id)) {
+            return Ok(m.head);
+        }
         head_seq(self.conn().await?, session_id).await
     }
 
@@ -1172,6 +1257,10 @@ impl LogTx for SqliteTx {
         ids: &[Uuid],
         calls: &[(Uuid, &str)],
     ) -> Result<()> {
+        if self.optimistic {
+            // Everything it would read was assumed.
+            return Ok(());
+        }
         let json = |v: Vec<serde_json::Value>| serde_json::Value::Array(v).to_string();
         let strings = |v: &[Uuid]| json(v.iter().map(|s| s.to_string().into()).collect());
         let calls_json = json(
@@ -1213,7 +1302,11 @@ impl LogTx for SqliteTx {
             let kind: i64 = row.try_get(0).map_err(corrupt_row)?;
             match kind {
                 0 => {
-                    self.last_position = Some(row.try_get(2).map_err(corrupt_row)?);
+                    let last: i64 = row.try_get(2).map_err(corrupt_row)?;
+                    self.last_position = Some(last);
+                    if let TxConn::Write(w) = &mut self.conn {
+                        w.quiet = w.last_committed == Some(last);
+                    }
                     let heads: String = row.try_get(3).map_err(corrupt_row)?;
                     let heads: Vec<(String, Option<i64>, Option<String>)> =
                         serde_json::from_str(&heads).map_err(corrupt_json)?;
@@ -1272,6 +1365,14 @@ impl LogTx for SqliteTx {
         ids: &[Uuid],
     ) -> Result<(Vec<StoredEvent>, i64, Option<String>)> {
         let memo = &self.memo;
+        if self.optimistic {
+            // Ids are taken as not stored: the commit's insert refuses one
+            // that is (its unique index), and the group goes to the lock.
+            return match memo.sessions.get(&session_id) {
+                Some(m) => Ok((Vec::new(), m.head, m.hash.clone())),
+                None => Err(optimistic_miss()),
+            };
+        }
         if let Some(m) = memo.sessions.get(&session_id) {
             if self.last_position.is_some()
                 && ids
@@ -1460,6 +1561,13 @@ impl LogTx for SqliteTx {
     }
 
     async fn calls(&mut self, session_id: Uuid, call_ids: &[String]) -> Result<Vec<CallRow>> {
+        if self.optimistic {
+            // What the cached state does not have is taken as absent, and
+            // checked by the commit.
+            self.absent_calls
+                .extend(call_ids.iter().map(|c| (session_id, c.clone())));
+            return Ok(Vec::new());
+        }
         if let Some(m) = self.memo.sessions.get(&session_id) {
             if call_ids.iter().all(|c| m.asked_calls.contains(c)) {
                 return Ok(call_ids
@@ -1556,6 +1664,9 @@ impl LogTx for SqliteTx {
     }
 
     async fn session_owner(&mut self, session_id: Uuid) -> Result<Option<String>> {
+        if let Some(owner) = self.memo.owners.get(&session_id) {
+            return Ok(Some(owner.clone()));
+        }
         let row: Option<(String,)> =
             sqlx::query_as("SELECT tenant FROM session_owners WHERE session_id = ?")
                 .bind(session_id.to_string())
@@ -1754,15 +1865,96 @@ impl LogTx for SqliteTx {
                 match committed {
                     Ok(_) => {
                         w.in_tx = false;
+                        w.last_committed = self.last_position;
                         Ok(())
                     }
                     Err(e) => {
                         w.rollback().await;
+                        w.last_committed = None;
                         Err(Error::from_sqlx(e))
                     }
                 }
             }
             TxConn::Done => Ok(()),
+        }
+    }
+}
+
+impl SqliteTx {
+    /// Makes an optimistic transaction judge `warm`'s session against its
+    /// cached head, hash, view and owner.
+    pub(crate) fn assume(&mut self, warm: &super::Warm) {
+        let Some(known) = &warm.known else { return };
+        let session_id = warm.state.session_id;
+        self.memo.sessions.insert(
+            session_id,
+            SessionMemo {
+                head: warm.state.seq,
+                hash: Some(known.head_hash.clone()),
+                view: Some(known.view.clone()),
+                asked_calls: HashSet::new(),
+                calls: HashMap::new(),
+            },
+        );
+        if let Some(owner) = &known.owner {
+            self.memo.owners.insert(session_id, owner.clone());
+        }
+    }
+
+    /// Sends an optimistic transaction in one query: the `BEGIN
+    /// IMMEDIATE`, the check of what the judgement assumed, the writes and
+    /// the `COMMIT`. Any failure (the check, an event id already stored, the
+    /// disk) rolls it back whole, and the group is judged again under the
+    /// lock, which reads what it needs and says any error that remains.
+    pub(crate) async fn commit_optimistic(mut self) -> std::result::Result<i64, OptimisticMiss> {
+        let refused = |why: String| OptimisticMiss::Rejected(why);
+        let pending = std::mem::take(&mut self.pending);
+        let absent: Vec<serde_json::Value> = self
+            .absent_calls
+            .iter()
+            .map(|(s, c)| serde_json::json!([s.to_string(), c]))
+            .collect();
+        let TxConn::Write(w) = &mut self.conn else {
+            return Err(refused("not a write transaction".to_owned()));
+        };
+        let (Some(assumed), false) = (w.last_committed, pending.is_empty()) else {
+            return Err(refused(
+                "nothing to commit, or no position known".to_owned(),
+            ));
+        };
+        if let Some(Err(e)) = w.file.as_ref().map(StoreFile::check) {
+            return Err(refused(e.to_string()));
+        }
+        let persistent = pending.rows.len() <= CACHED_ROWS;
+        let mut q = QueryBuilder::<Sqlite>::new(if w.has_check { "" } else { CHECK_SETUP });
+        let mut parts = CHECK.split('?');
+        q.push(parts.next().unwrap_or_default());
+        q.push_bind(assumed);
+        q.push(parts.next().unwrap_or_default());
+        q.push_bind(serde_json::Value::Array(absent).to_string());
+        q.push(parts.next().unwrap_or_default());
+        pending.push_to(&mut q);
+        q.push("COMMIT;");
+        // Marked first: if this is cancelled half-way, the rollback runs.
+        w.in_tx = true;
+        let committed = q
+            .build()
+            .persistent(persistent)
+            .execute(w.conn().map_err(|e| refused(e.to_string()))?)
+            .await;
+        match committed {
+            Ok(_) => {
+                w.in_tx = false;
+                w.has_check = true;
+                w.last_committed = self.last_position;
+                self.conn = TxConn::Done;
+                Ok(0)
+            }
+            Err(e) => {
+                w.rollback().await;
+                w.quiet = false;
+                Err(refused(sqlx_message(&e)))
+            }
         }
     }
 }
