@@ -133,7 +133,7 @@ impl Metrics {
         registry.register("open_streams", "Open event streams", streams.clone());
         registry.register(
             "append_groups",
-            "Groups of appends judged, one transaction each, whatever became of their appends, by path: locked (judged under the write lock), optimistic (PostgreSQL, one round trip), optimistic_abandoned (sent back to the lock: another instance wrote the session, or a refusal)",
+            "Groups of appends judged, one transaction each, whatever became of their appends, by path: locked (judged under the write lock), optimistic (one round trip; on SQLite only while no other process writes between this one's groups), optimistic_abandoned (sent back to the lock: another instance wrote, or a refusal)",
             append_groups.clone(),
         );
         let state_cache_sessions = Family::<CacheLabel, Gauge<i64, AtomicI64>>::default();
