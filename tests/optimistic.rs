@@ -622,3 +622,104 @@ async fn payloads_are_compressed_with_lz4_on_postgres() {
     admin.close().await;
     store.close().await;
 }
+
+// Another process appends to a session this one has cached, and this one
+// then commits to other sessions, so that the log again ends where its
+// last commit left it: the optimistic check of the log's end passes, yet
+// the cached state of that session is stale. An empty batch at the stale
+// seq writes nothing that a unique index could refuse; queued in one group
+// with a write, it must still be a conflict (each session's head is
+// checked, not only the log's end).
+both_backends!(
+    a_session_appended_to_before_this_writers_last_commit_is_not_judged_stale,
+    |url: String| async move {
+        let options = session_store::StoreOptions {
+            // A group's writer slot is held this long after its commit, so
+            // that the appends sent meanwhile make the next group together.
+            fault_pause_after_commit: Some(std::time::Duration::from_millis(400)),
+            ..session_store::StoreOptions::default()
+        };
+        let store = std::sync::Arc::new(Store::open_with(&url, options).await.unwrap());
+        let other = Store::open(&url).await.unwrap();
+        let (s, t) = (Uuid::new_v4(), Uuid::new_v4());
+        store
+            .append(s, 0, vec![started(), prompt("s")])
+            .await
+            .unwrap();
+        store.append(t, 0, vec![started()]).await.unwrap();
+        other.append(s, 2, vec![prompt("elsewhere")]).await.unwrap();
+        // The first finds the log moved (optimistic on PostgreSQL: its
+        // check of t's head passes); the second finds it quiet again.
+        store.append(t, 1, vec![prompt("t1")]).await.unwrap();
+        store.append(t, 2, vec![prompt("t2")]).await.unwrap();
+
+        let holder = {
+            let store = store.clone();
+            tokio::spawn(async move { store.append(t, 3, vec![prompt("t3")]).await })
+        };
+        tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+        let write = {
+            let store = store.clone();
+            tokio::spawn(async move { store.append(t, 4, vec![prompt("t4")]).await })
+        };
+        let empty = {
+            let store = store.clone();
+            tokio::spawn(async move { store.append(s, 2, Vec::new()).await })
+        };
+        holder.await.unwrap().unwrap();
+        assert_eq!(write.await.unwrap().unwrap().events[0].seq, 5);
+        match empty.await.unwrap() {
+            Err(Error::Conflict { current, .. }) => assert_eq!(current, 3),
+            other => panic!("an empty batch at a stale seq conflicts: {other:?}"),
+        }
+        agrees_with_the_log(&store, s).await;
+        agrees_with_the_log(&store, t).await;
+        other.close().await;
+    }
+);
+
+// Another process holds SQLite's write lock past the busy timeout: the
+// optimistic query's `BEGIN IMMEDIATE` waits it out once, and the append
+// is answered unavailable then (nothing stored), not sent to the locked
+// path to wait it out a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_lock_held_elsewhere_is_waited_for_once() {
+    use sqlx::Connection;
+    let db = common::sqlite_db();
+    let store = Store::open(&db.url).await.unwrap();
+    let s = Uuid::new_v4();
+    for (i, batch) in [vec![started()], vec![prompt("a")], vec![prompt("b")]]
+        .into_iter()
+        .enumerate()
+    {
+        store.append(s, i as i64, batch).await.unwrap();
+    }
+    let before = store.append_paths();
+    store.append(s, 3, vec![prompt("c")]).await.unwrap();
+    assert_eq!(since(&store, before).optimistic, 1, "warm: optimistic");
+
+    let mut holder = sqlx::SqliteConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql("BEGIN IMMEDIATE")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let started_at = std::time::Instant::now();
+    let err = store
+        .append(s, 4, vec![prompt("blocked")])
+        .await
+        .expect_err("the lock is held elsewhere");
+    let took = started_at.elapsed();
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    assert!(matches!(err, Error::Unavailable(_)), "{err:?}");
+    // SQLite's busy timeout is 10 s: once, not twice.
+    assert!(
+        took < std::time::Duration::from_secs(15),
+        "said after {took:?}"
+    );
+    assert_eq!(store.head_seq(s).await.unwrap(), 4);
+    store.append(s, 4, vec![prompt("after")]).await.unwrap();
+    agrees_with_the_log(&store, s).await;
+}

@@ -396,12 +396,10 @@ async fn optimistic<T: OptimisticTx>(
             return Some(group);
         }
         Err(OptimisticMiss::Failed(e)) => {
-            // The call may or may not have committed: answered like a
-            // failed commit, never tried again behind the caller's back.
-            let e = match e {
-                Error::Unavailable(m) => Error::OutcomeUnknown(m),
-                other => other,
-            };
+            // Answered like a failed commit, never tried again behind the
+            // caller's back: PostgreSQL's call may have committed (its
+            // outcome is unknown), SQLite's query failed whole.
+            let e = commit_failed(T::REMOTE_COMMIT, &e);
             for p in group {
                 let _ = p.reply.send(Err(again(&e)));
             }
@@ -439,6 +437,9 @@ async fn optimistic<T: OptimisticTx>(
 
 /// A transaction an optimistic group is judged in ([`optimistic`]).
 pub(crate) trait OptimisticTx: LogTx {
+    /// Whether the commit is a round trip to a server, whose answer can be
+    /// lost after it committed ([`commit_failed`]).
+    const REMOTE_COMMIT: bool;
     /// Judge `warm`'s session against its cached head, hash, view and
     /// owner (the commit checks the head).
     fn assume(&mut self, warm: &Warm);
@@ -452,6 +453,7 @@ pub(crate) trait OptimisticTx: LogTx {
 }
 
 impl OptimisticTx for PgTx {
+    const REMOTE_COMMIT: bool = true;
     fn assume(&mut self, warm: &Warm) {
         PgTx::assume(self, warm)
     }
@@ -463,6 +465,7 @@ impl OptimisticTx for PgTx {
 }
 
 impl OptimisticTx for SqliteTx {
+    const REMOTE_COMMIT: bool = false;
     fn assume(&mut self, warm: &Warm) {
         SqliteTx::assume(self, warm)
     }

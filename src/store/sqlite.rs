@@ -832,6 +832,9 @@ pub(crate) struct SqliteTx {
     /// Calls index keys the optimistic judgement took as absent (the
     /// cache forgets calls outside a window), checked by the commit.
     absent_calls: Vec<(Uuid, String)>,
+    /// The sessions an optimistic judgement assumed, with their heads,
+    /// checked by the commit.
+    assumed: Vec<(Uuid, i64)>,
 }
 
 /// The writes of a write transaction's accepted batches that wait for its
@@ -1086,6 +1089,7 @@ impl SqliteTx {
             memo: Memo::default(),
             optimistic: false,
             absent_calls: Vec::new(),
+            assumed: Vec::new(),
         }
     }
 
@@ -1183,13 +1187,20 @@ END;
 ";
 
 /// The check an optimistic commit runs first, under the write lock: the log
-/// still ends at the position the judgement assumed (so nobody else wrote
-/// since this writer's last commit, and every head is the cache's), and no
-/// call id it took as absent is stored (`[session, call id]` pairs).
+/// still ends at the position the judgement assumed (nobody else wrote
+/// since this writer's last commit, so the positions it reserved are
+/// free); each session's head is still the seq it was judged against
+/// (`[session, seq]` pairs: another process may have appended to it before
+/// this writer's last commit, which then left the cache's state of that
+/// session stale); and no call id it took as absent is stored (`[session,
+/// call id]` pairs).
 const CHECK: &str = "\
 BEGIN IMMEDIATE;
 INSERT INTO temp.optimistic_check (ok) SELECT \
   (SELECT COALESCE(MAX(position), 0) FROM events) = ? \
+  AND NOT EXISTS (SELECT 1 FROM json_each(?) h \
+    WHERE COALESCE((SELECT seq FROM events WHERE session_id = h.value ->> 0 \
+                    ORDER BY seq DESC LIMIT 1), 0) IS NOT h.value ->> 1) \
   AND NOT EXISTS (SELECT 1 FROM json_each(?) j JOIN calls c \
     ON c.session_id = j.value ->> 0 AND c.call_id = j.value ->> 1);
 ";
@@ -1886,6 +1897,7 @@ impl SqliteTx {
     pub(crate) fn assume(&mut self, warm: &super::Warm) {
         let Some(known) = &warm.known else { return };
         let session_id = warm.state.session_id;
+        self.assumed.push((session_id, warm.state.seq));
         self.memo.sessions.insert(
             session_id,
             SessionMemo {
@@ -1903,9 +1915,10 @@ impl SqliteTx {
 
     /// Sends an optimistic transaction in one query: the `BEGIN
     /// IMMEDIATE`, the check of what the judgement assumed, the writes and
-    /// the `COMMIT`. Any failure (the check, an event id already stored, the
-    /// disk) rolls it back whole, and the group is judged again under the
-    /// lock, which reads what it needs and says any error that remains.
+    /// the `COMMIT`. Any failure rolls it back whole. A failed check or an
+    /// event id already stored (`Rejected`): the group is judged again
+    /// under the lock, which reads what it needs. Any other failure
+    /// (`Failed`): the storage's, said to the group's callers.
     pub(crate) async fn commit_optimistic(mut self) -> std::result::Result<i64, OptimisticMiss> {
         let refused = |why: String| OptimisticMiss::Rejected(why);
         let pending = std::mem::take(&mut self.pending);
@@ -1913,6 +1926,11 @@ impl SqliteTx {
             .absent_calls
             .iter()
             .map(|(s, c)| serde_json::json!([s.to_string(), c]))
+            .collect();
+        let heads: Vec<serde_json::Value> = self
+            .assumed
+            .iter()
+            .map(|(s, seq)| serde_json::json!([s.to_string(), seq]))
             .collect();
         let TxConn::Write(w) = &mut self.conn else {
             return Err(refused("not a write transaction".to_owned()));
@@ -1930,6 +1948,8 @@ impl SqliteTx {
         let mut parts = CHECK.split('?');
         q.push(parts.next().unwrap_or_default());
         q.push_bind(assumed);
+        q.push(parts.next().unwrap_or_default());
+        q.push_bind(serde_json::Value::Array(heads).to_string());
         q.push(parts.next().unwrap_or_default());
         q.push_bind(serde_json::Value::Array(absent).to_string());
         q.push(parts.next().unwrap_or_default());
@@ -1953,7 +1973,18 @@ impl SqliteTx {
             Err(e) => {
                 w.rollback().await;
                 w.quiet = false;
-                Err(refused(sqlx_message(&e)))
+                // The check (its trigger) and a stored event id (a unique
+                // index) are constraint failures: the group is judged again
+                // under the lock. Anything else (the lock not had within
+                // the busy timeout, the disk) is the storage's state: said
+                // to the caller now, rather than waited out a second time
+                // by the locked path. Nothing was stored either way.
+                let constraint = matches!(&e, sqlx::Error::Database(db)
+                    if db.code().and_then(|c| c.parse::<i64>().ok()).is_some_and(|c| c & 0xff == 19));
+                Err(match constraint {
+                    true => refused(sqlx_message(&e)),
+                    false => OptimisticMiss::Failed(Error::from_sqlx(e)),
+                })
             }
         }
     }
