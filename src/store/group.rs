@@ -308,8 +308,9 @@ async fn run<T: LogTx>(
 /// session's head is still the one judged against and that no call id the
 /// judgement took as new is stored, then writes, with the positions moved
 /// past the counter; on SQLite one query that takes the write lock, checks
-/// that the log still ends where this writer's last commit left it (and
-/// the call ids), writes and commits.
+/// that the log still ends where this writer's last commit left it, that
+/// every session's head is still the one judged against and that no call
+/// id taken as new is stored, then writes and commits.
 ///
 /// Returns the group untouched (no reply sent) when it must be judged
 /// under the lock instead: a session not known, a read the cache cannot

@@ -100,7 +100,8 @@ const STATE_CACHE_SESSIONS: usize = 256;
 
 /// How many groups of appends (one commit each, see `group`) this process
 /// committed each way: a figure for operators and tests, since the
-/// optimistic path is the one that makes an append one round trip (docs/design.md, "Optimistic appends").
+/// optimistic path is the one that makes an append one round trip
+/// (docs/design.md, "Optimistic appends").
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct AppendPaths {
     /// Groups judged against the log under the write lock.
