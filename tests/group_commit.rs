@@ -420,3 +420,59 @@ both_backends!(
         );
     }
 );
+
+// A group whose appends hold more event rows than one insert statement
+// takes (500 on SQLite) writes them in several, in position order, across
+// appends; warm sessions make it an optimistic group on both backends.
+both_backends!(
+    a_group_of_more_rows_than_one_insert_takes_is_stored_whole_and_in_order,
+    |url: String| async move {
+        let options = StoreOptions {
+            // The slot is held this long after each commit, so the appends
+            // sent meanwhile make one group.
+            fault_pause_after_commit: Some(Duration::from_millis(300)),
+            ..StoreOptions::default()
+        };
+        let store = Arc::new(Store::open_with(&url, options).await.unwrap());
+        let sessions: Vec<Uuid> = (0..4).map(|_| Uuid::new_v4()).collect();
+        for s in &sessions {
+            store.append(*s, 0, vec![started()]).await.unwrap();
+            store.append(*s, 1, vec![prompt("warm")]).await.unwrap();
+        }
+        let holder = {
+            let store = store.clone();
+            let s = sessions[0];
+            tokio::spawn(async move { store.append(s, 2, vec![prompt("hold")]).await })
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut tasks = Vec::new();
+        for (i, s) in sessions.iter().copied().enumerate() {
+            let store = store.clone();
+            let expected = if i == 0 { 3 } else { 2 };
+            tasks.push(tokio::spawn(async move {
+                let batch: Vec<NewEvent> = (0..180).map(|n| prompt(&format!("{i}:{n}"))).collect();
+                store.append(s, expected, batch).await
+            }));
+        }
+        holder.await.unwrap().unwrap();
+        for t in tasks {
+            let outcome = t.await.unwrap().unwrap();
+            assert_eq!(outcome.events.len(), 180);
+        }
+        let feed = store.feed(0, 10_000).await.unwrap();
+        let positions: Vec<i64> = feed.iter().map(|e| e.position).collect();
+        assert_eq!(positions, (1..=feed.len() as i64).collect::<Vec<_>>());
+        assert_eq!(feed.len(), 4 * 2 + 1 + 4 * 180);
+        for s in &sessions {
+            let seqs: Vec<i64> = feed
+                .iter()
+                .filter(|e| e.session_id == *s)
+                .map(|e| e.seq)
+                .collect();
+            assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>());
+            assert_eq!(store.verify(*s).await.unwrap(), None);
+        }
+        let paths = store.append_paths();
+        assert!(paths.optimistic >= 1, "{paths:?}");
+    }
+);
