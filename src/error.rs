@@ -232,6 +232,21 @@ pub enum Error {
     },
 }
 
+/// A SQLite error's primary result code (the low byte of its extended
+/// code: BUSY 5, CONSTRAINT 19, …), or `None` for any other error.
+pub(crate) fn sqlite_primary_code(e: &sqlx::Error) -> Option<i64> {
+    match e {
+        sqlx::Error::Database(db)
+            if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() =>
+        {
+            db.code()
+                .and_then(|c| c.parse::<i64>().ok())
+                .map(|c| c & 0xff)
+        }
+        _ => None,
+    }
+}
+
 impl Error {
     /// A failed migration of `backend`: a lost or refused connection is the
     /// storage's (`Unavailable`, exit 4, retried by `import`), as the same
@@ -280,8 +295,8 @@ impl Error {
                 // or removed under an open store), IOERR 10, FULL 13 (the
                 // disk), CANTOPEN 14. The storage's state, not the request:
                 // "try again" once it is fixed.
-                let code: i64 = db.code().and_then(|c| c.parse().ok()).unwrap_or(0);
-                if [5, 6, 8, 10, 13, 14].contains(&(code & 0xff)) {
+                let code = sqlite_primary_code(&e).unwrap_or(0);
+                if [5, 6, 8, 10, 13, 14].contains(&code) {
                     Error::Unavailable(db.message().to_string())
                 } else {
                     Error::Database(db.message().to_string())

@@ -37,8 +37,7 @@ use std::sync::Arc;
 use tokio::sync::{oneshot, OwnedMutexGuard};
 use uuid::Uuid;
 
-use super::postgres::{OptimisticMiss, PgTx};
-use super::sqlite::SqliteTx;
+use super::postgres::OptimisticMiss;
 use super::{append_in, Backend, LogTx, StateCache, StoreOptions, Warm};
 use crate::error::{Error, Result};
 use crate::event::{EventBody, NewEvent};
@@ -451,30 +450,6 @@ pub(crate) trait OptimisticTx: LogTx {
     fn commit_optimistic(
         self,
     ) -> impl std::future::Future<Output = std::result::Result<i64, OptimisticMiss>> + Send;
-}
-
-impl OptimisticTx for PgTx {
-    const REMOTE_COMMIT: bool = true;
-    fn assume(&mut self, warm: &Warm) {
-        PgTx::assume(self, warm)
-    }
-    fn commit_optimistic(
-        self,
-    ) -> impl std::future::Future<Output = std::result::Result<i64, OptimisticMiss>> + Send {
-        PgTx::commit_optimistic(self)
-    }
-}
-
-impl OptimisticTx for SqliteTx {
-    const REMOTE_COMMIT: bool = false;
-    fn assume(&mut self, warm: &Warm) {
-        SqliteTx::assume(self, warm)
-    }
-    fn commit_optimistic(
-        self,
-    ) -> impl std::future::Future<Output = std::result::Result<i64, OptimisticMiss>> + Send {
-        SqliteTx::commit_optimistic(self)
-    }
 }
 
 #[cfg(test)]

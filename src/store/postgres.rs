@@ -738,82 +738,6 @@ impl PgTx {
         matches!(self.conn, PgConn::Optimistic(_))
     }
 
-    /// Makes an optimistic transaction judge `warm`'s session against its
-    /// cached head, hash, view and owner (the write checks the head).
-    pub(crate) fn assume(&mut self, warm: &super::Warm) {
-        let Some(known) = &warm.known else { return };
-        let session_id = warm.state.session_id;
-        self.assumed.push((session_id, warm.state.seq));
-        self.heads
-            .insert(session_id, (warm.state.seq, Some(known.head_hash.clone())));
-        self.views.insert(session_id, known.view.clone());
-        if let Some(owner) = &known.owner {
-            self.owners.insert(session_id, owner.clone());
-        }
-        if self.last.is_none() {
-            // Positions are reserved from 0 and moved past the counter by
-            // the write.
-            self.last = Some(0);
-        }
-    }
-
-    /// Sends an optimistic transaction's writes in one autocommitted call
-    /// of `session_store_append` (migration 0007); returns the counter's
-    /// value before them, by which every reserved position moves.
-    pub(crate) async fn commit_optimistic(mut self) -> std::result::Result<i64, OptimisticMiss> {
-        let PgConn::Optimistic(pool) = &self.conn else {
-            return Err(OptimisticMiss::Failed(Error::Database(
-                "commit_optimistic called on a locked transaction".to_owned(),
-            )));
-        };
-        let pool = pool.clone();
-        let b = std::mem::take(&mut self.buffered);
-        let (absent_sessions, absent_ids): (Vec<Uuid>, Vec<&str>) = self
-            .absent_calls
-            .iter()
-            .map(|(s, c)| (*s, c.as_str()))
-            .unzip();
-        let query = sqlx::query(WRITE_CALL)
-            .bind(true)
-            .bind(self.assumed.iter().map(|a| a.0).collect::<Vec<Uuid>>())
-            .bind(self.assumed.iter().map(|a| a.1).collect::<Vec<i64>>())
-            .bind(absent_sessions)
-            .bind(absent_ids);
-        // Bounded as the locked path's writes are (the call waits for the
-        // counter's lock, up to the server's lock timeout): a server that
-        // stops answering would otherwise hold this instance's appends
-        // until the connection broke. Cut off, the call may have committed
-        // (the group answers `OutcomeUnknown`).
-        let call = bind_writes(query, &b, self.unwritten).fetch_one(&pool);
-        let result = match self.deadline.map(|d| d + LOCK_TIMEOUT) {
-            None => call.await,
-            Some(limit) => match tokio::time::timeout(limit, call).await {
-                Ok(r) => r,
-                Err(_) => {
-                    return Err(OptimisticMiss::Failed(Error::Unavailable(format!(
-                        "PostgreSQL did not answer the append within {} s: the server may be stopped or cut off",
-                        limit.as_secs_f64()
-                    ))))
-                }
-            },
-        }
-        .and_then(|row| sqlx::Row::try_get::<i64, _>(&row, 0));
-        match result {
-            Ok(base) => Ok(base),
-            // Only the function's own checks and a stored event id say
-            // "judge again": each is raised before the commit, so nothing
-            // was written. Any other error, even one the server reports,
-            // may come after the commit (a pooler reports a lost server
-            // connection as an error), so it is the caller's.
-            Err(sqlx::Error::Database(e))
-                if matches!(e.code().as_deref(), Some("SS001" | "SS002" | "23505")) =>
-            {
-                Err(OptimisticMiss::Rejected(e.message().to_owned()))
-            }
-            Err(e) => Err(OptimisticMiss::Failed(Error::from_sqlx(e))),
-        }
-    }
-
     /// Keeps the views and calls index rows of `prefetch` (JSON: an array
     /// of views and an array of calls).
     fn read_ahead_derived(&mut self, json: &str) -> Result<()> {
@@ -874,6 +798,86 @@ impl PgTx {
         .await?;
         self.unwritten = 0;
         Ok(())
+    }
+}
+
+impl super::group::OptimisticTx for PgTx {
+    const REMOTE_COMMIT: bool = true;
+
+    /// Makes an optimistic transaction judge `warm`'s session against its
+    /// cached head, hash, view and owner (the write checks the head).
+    fn assume(&mut self, warm: &super::Warm) {
+        let Some(known) = &warm.known else { return };
+        let session_id = warm.state.session_id;
+        self.assumed.push((session_id, warm.state.seq));
+        self.heads
+            .insert(session_id, (warm.state.seq, Some(known.head_hash.clone())));
+        self.views.insert(session_id, known.view.clone());
+        if let Some(owner) = &known.owner {
+            self.owners.insert(session_id, owner.clone());
+        }
+        if self.last.is_none() {
+            // Positions are reserved from 0 and moved past the counter by
+            // the write.
+            self.last = Some(0);
+        }
+    }
+
+    /// Sends an optimistic transaction's writes in one autocommitted call
+    /// of `session_store_append` (migration 0007); returns the counter's
+    /// value before them, by which every reserved position moves.
+    async fn commit_optimistic(mut self) -> std::result::Result<i64, OptimisticMiss> {
+        let PgConn::Optimistic(pool) = &self.conn else {
+            return Err(OptimisticMiss::Failed(Error::Database(
+                "commit_optimistic called on a locked transaction".to_owned(),
+            )));
+        };
+        let pool = pool.clone();
+        let b = std::mem::take(&mut self.buffered);
+        let (absent_sessions, absent_ids): (Vec<Uuid>, Vec<&str>) = self
+            .absent_calls
+            .iter()
+            .map(|(s, c)| (*s, c.as_str()))
+            .unzip();
+        let query = sqlx::query(WRITE_CALL)
+            .bind(true)
+            .bind(self.assumed.iter().map(|a| a.0).collect::<Vec<Uuid>>())
+            .bind(self.assumed.iter().map(|a| a.1).collect::<Vec<i64>>())
+            .bind(absent_sessions)
+            .bind(absent_ids);
+        // Bounded as the locked path's writes are (the call waits for the
+        // counter's lock, up to the server's lock timeout): a server that
+        // stops answering would otherwise hold this instance's appends
+        // until the connection broke. Cut off, the call may have committed
+        // (the group answers `OutcomeUnknown`).
+        let call = bind_writes(query, &b, self.unwritten).fetch_one(&pool);
+        let result = match self.deadline.map(|d| d + LOCK_TIMEOUT) {
+            None => call.await,
+            Some(limit) => match tokio::time::timeout(limit, call).await {
+                Ok(r) => r,
+                Err(_) => {
+                    return Err(OptimisticMiss::Failed(Error::Unavailable(format!(
+                        "PostgreSQL did not answer the append within {} s: the server may be stopped or cut off",
+                        limit.as_secs_f64()
+                    ))))
+                }
+            },
+        }
+        .and_then(|row| sqlx::Row::try_get::<i64, _>(&row, 0));
+        match result {
+            Ok(base) => Ok(base),
+            // Only the function's own checks and a stored event id say
+            // "judge again": each is raised before the commit, so nothing
+            // was written. Any other error, even one the server reports,
+            // may come after the commit (a pooler reports a lost server
+            // connection as an error), so it is the caller's.
+            Err(sqlx::Error::Database(e))
+                if matches!(e.code().as_deref(), Some("SS001" | "SS002" | "23505")) =>
+            {
+                Err(OptimisticMiss::Rejected(e.message().to_owned()))
+            }
+            Err(e) => Err(OptimisticMiss::Failed(Error::from_sqlx(e))),
+        }
     }
 }
 

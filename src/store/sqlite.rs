@@ -1891,10 +1891,12 @@ impl LogTx for SqliteTx {
     }
 }
 
-impl SqliteTx {
+impl super::group::OptimisticTx for SqliteTx {
+    const REMOTE_COMMIT: bool = false;
+
     /// Makes an optimistic transaction judge `warm`'s session against its
     /// cached head, hash, view and owner.
-    pub(crate) fn assume(&mut self, warm: &super::Warm) {
+    fn assume(&mut self, warm: &super::Warm) {
         let Some(known) = &warm.known else { return };
         let session_id = warm.state.session_id;
         self.assumed.push((session_id, warm.state.seq));
@@ -1919,7 +1921,7 @@ impl SqliteTx {
     /// event id already stored (`Rejected`): the group is judged again
     /// under the lock, which reads what it needs. Any other failure
     /// (`Failed`): the storage's, said to the group's callers.
-    pub(crate) async fn commit_optimistic(mut self) -> std::result::Result<i64, OptimisticMiss> {
+    async fn commit_optimistic(mut self) -> std::result::Result<i64, OptimisticMiss> {
         let refused = |why: String| OptimisticMiss::Rejected(why);
         let pending = std::mem::take(&mut self.pending);
         let absent: Vec<serde_json::Value> = self
@@ -1941,7 +1943,8 @@ impl SqliteTx {
             ));
         };
         if let Some(Err(e)) = w.file.as_ref().map(StoreFile::check) {
-            return Err(refused(e.to_string()));
+            // The storage's state, as below: said now.
+            return Err(OptimisticMiss::Failed(e));
         }
         let persistent = pending.rows.len() <= CACHED_ROWS;
         let mut q = QueryBuilder::<Sqlite>::new(if w.has_check { "" } else { CHECK_SETUP });
@@ -1979,9 +1982,8 @@ impl SqliteTx {
                 // the busy timeout, the disk) is the storage's state: said
                 // to the caller now, rather than waited out a second time
                 // by the locked path. Nothing was stored either way.
-                let constraint = matches!(&e, sqlx::Error::Database(db)
-                    if db.code().and_then(|c| c.parse::<i64>().ok()).is_some_and(|c| c & 0xff == 19));
-                Err(match constraint {
+                // SQLITE_CONSTRAINT is 19.
+                Err(match crate::error::sqlite_primary_code(&e) == Some(19) {
                     true => refused(sqlx_message(&e)),
                     false => OptimisticMiss::Failed(Error::from_sqlx(e)),
                 })
