@@ -127,6 +127,11 @@ async fn main() {
         event_type: Some("compaction".into()),
         ..EventQuery::default()
     };
+    let q_dense_type = EventQuery {
+        scope: a(100),
+        event_type: Some("tool_result".into()),
+        ..EventQuery::default()
+    };
     let q_session = EventQuery {
         scope: Scope {
             limit: 100,
@@ -174,6 +179,11 @@ async fn main() {
         "Events by type (`audit events --type compaction --tenant a`)",
         PlanOf::Events(&q_type),
         store.audit_events(&q_type)
+    );
+    report!(
+        "Events of a type most of the log is (`audit events --type tool_result --tenant a`)",
+        PlanOf::Events(&q_dense_type),
+        store.audit_events(&q_dense_type)
     );
     report!(
         "Events of one session (`audit events --session S`)",

@@ -399,6 +399,22 @@ fn every_audit_query_reads_an_index_on_sqlite() {
                 "{name}: {plan}"
             );
         }
+        // The sparse types through their partial index; the others in
+        // position order through the primary key (docs/audit.md).
+        for t in session_store::event::EVENT_TYPES {
+            let q = EventQuery {
+                event_type: Some(t.into()),
+                ..typed.clone()
+            };
+            let plan = store.audit_plan(PlanOf::Events(&q)).await.unwrap();
+            let sparse = !matches!(t, "assistant_message" | "tool_call" | "tool_result");
+            let used = if sparse {
+                "USING INDEX events_sparse_types"
+            } else {
+                "USING INTEGER PRIMARY KEY"
+            };
+            assert!(plan.contains(used), "{t}: {plan}");
+        }
     });
 }
 
@@ -694,4 +710,159 @@ fn unknown_names_are_listed_once_and_a_missing_call_row_is_said_as_missing() {
             "{backend}: {err}"
         );
     }
+}
+
+#[test]
+fn events_by_type_are_every_event_of_that_type_in_order_on_both_backends() {
+    // Sparse types are read through a partial index, the others by
+    // scanning the log in position order (migration 0009): both must give
+    // exactly the log's rows of the type, page after page.
+    let mut logs: Vec<std::path::PathBuf> = std::fs::read_dir(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/examples"
+    ))
+    .unwrap()
+    .map(|e| e.unwrap().path())
+    .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
+    .collect();
+    logs.push(LOG.into());
+    for (backend, db) in backends() {
+        let url = db.url.as_str();
+        for log in &logs {
+            let o = run(url, &["import", log.to_str().unwrap()]);
+            assert!(o.status.success(), "{backend}: {log:?}");
+        }
+        // Pages of 2 rows, following `next`, as a client would.
+        let all = |extra: &[&str]| -> Vec<Value> {
+            let mut rows = Vec::new();
+            let mut after = "0".to_owned();
+            loop {
+                let mut args = vec!["audit", "events", "--limit", "2", "--after", &after];
+                args.extend_from_slice(extra);
+                args.push("--json");
+                let page = json_of(&run(url, &args));
+                rows.extend(page["events"].as_array().unwrap().iter().cloned());
+                match page["next_after_position"].as_i64() {
+                    Some(next) => after = next.to_string(),
+                    None => break,
+                }
+            }
+            rows
+        };
+        let log = all(&[]);
+        let mut seen = 0;
+        for t in session_store::event::EVENT_TYPES {
+            let expected: Vec<&Value> = log.iter().filter(|e| e["type"] == t).collect();
+            assert!(!expected.is_empty(), "{backend}: the fixtures have no {t}");
+            let typed = all(&["--type", t]);
+            assert_eq!(typed.iter().collect::<Vec<_>>(), expected, "{backend}: {t}");
+            seen += typed.len();
+        }
+        assert_eq!(seen, log.len(), "{backend}");
+    }
+}
+
+#[test]
+fn a_store_from_before_the_sparse_type_index_is_upgraded_whole() {
+    // Migrations 0009 (the partial type index, both backends) and 0010
+    // (views WITHOUT ROWID, SQLite) run on a store that has
+    // rows: the store is put back into the shape those migrations found
+    // (old index, rowid tables, the two versions unapplied), then opened.
+    let view_cols =
+        "session_id TEXT PRIMARY KEY, refresh_seq INTEGER NOT NULL, mode TEXT NOT NULL, \
+                     window_start INTEGER NOT NULL, compaction_seq INTEGER, summary TEXT, \
+                     catalogs TEXT NOT NULL, evidence TEXT NOT NULL, active TEXT NOT NULL";
+    for (backend, db) in backends() {
+        let url = db.url.as_str();
+        assert!(run(url, &["import", LOG]).status.success(), "{backend}");
+        let page = |t: &str| json_of(&run(url, &["audit", "events", "--type", t, "--json"]));
+        let before = (page("compaction"), page("tool_call"));
+        let views =
+            "SELECT CAST(COUNT(*) AS TEXT) || ':' || CAST(SUM(refresh_seq) AS TEXT) || ':' \
+                     || MAX(active) FROM session_views";
+        let views_before = common::scalar(url, views);
+        let mut back = vec![
+            "DROP INDEX events_sparse_types".to_owned(),
+            "CREATE INDEX events_type_position ON events (type, position)".to_owned(),
+        ];
+        if backend == "sqlite" {
+            back.push(format!("CREATE TABLE session_views_rowid ({view_cols})"));
+            back.push("INSERT INTO session_views_rowid SELECT * FROM session_views".to_owned());
+            back.push("DROP TABLE session_views".to_owned());
+            back.push("ALTER TABLE session_views_rowid RENAME TO session_views".to_owned());
+        }
+        back.push("DELETE FROM _sqlx_migrations WHERE version IN (9, 10)".to_owned());
+        for sql in &back {
+            common::raw_sql(url, sql);
+        }
+        let applied =
+            "SELECT CAST(COUNT(*) AS TEXT) FROM _sqlx_migrations WHERE version IN (9, 10)";
+        assert_eq!(
+            common::scalar(url, applied).as_deref(),
+            Some("0"),
+            "{backend}"
+        );
+
+        // The next open migrates; the answers and the views are the same,
+        // and verify finds the views in agreement with the log.
+        assert_eq!((page("compaction"), page("tool_call")), before, "{backend}");
+        assert_eq!(common::scalar(url, views), views_before, "{backend}");
+        assert!(run(url, &["verify", S]).status.success(), "{backend}");
+        let expected = if backend == "sqlite" { "2" } else { "1" };
+        assert_eq!(
+            common::scalar(url, applied).as_deref(),
+            Some(expected),
+            "{backend}"
+        );
+        if backend == "sqlite" {
+            let sql = common::scalar(
+                url,
+                "SELECT sql FROM sqlite_master WHERE name = 'session_views'",
+            )
+            .unwrap_or_default();
+            assert!(sql.contains("WITHOUT ROWID"), "{sql}");
+        }
+    }
+}
+
+/// The store's PostgreSQL connections do not compile statements with JIT:
+/// a paged audit read is costed as the whole scan under its `LIMIT`, and
+/// above `jit_above_cost` was compiled on every call, which took most of
+/// its time (docs/audit.md, src/store/postgres.rs `SESSION_SETTINGS`).
+#[test]
+fn postgres_audit_reads_are_not_jit_compiled() {
+    use session_store::store::query::{EventQuery, PlanOf};
+    use sqlx::Connection;
+    let Some(db) = common::postgres_db() else {
+        return;
+    };
+    assert!(run(&db.url, &["import", LOG]).status.success());
+    // Every statement above the threshold, even this small table's.
+    let name = common::scalar(&db.url, "SELECT current_database()::text").unwrap();
+    common::raw_sql(
+        &db.url,
+        &format!("ALTER DATABASE {name} SET jit_above_cost = 0"),
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        // A connection with the server's other defaults compiles it: the
+        // check below could fail.
+        let mut c = sqlx::PgConnection::connect(&db.url).await.unwrap();
+        let plain: Vec<String> = sqlx::query_scalar(
+            "EXPLAIN (ANALYZE) SELECT count(*) FROM events WHERE type = 'compaction'",
+        )
+        .fetch_all(&mut c)
+        .await
+        .unwrap();
+        assert!(plain.iter().any(|l| l.starts_with("JIT:")), "{plain:?}");
+        let store = session_store::Store::open(&db.url).await.unwrap();
+        let q = EventQuery {
+            event_type: Some("compaction".into()),
+            ..EventQuery::default()
+        };
+        let plan = store.audit_plan(PlanOf::Events(&q)).await.unwrap();
+        assert!(plan.contains("events_sparse_types"), "{plan}");
+        assert!(!plan.contains("JIT:"), "{plan}");
+        store.close().await;
+    });
 }

@@ -310,6 +310,25 @@ impl Scope {
 const EVENT_COLUMNS: &str =
     "SELECT e.position, e.session_id, e.seq, e.event_id, e.payload, e.recorded_at FROM events e";
 
+/// The event types the partial index `events_sparse_types` holds (those a
+/// turn has at most one of), and its `WHERE`, which a query by one of them
+/// repeats word for word: SQLite uses a partial index only for a query
+/// whose `WHERE` holds each term of the index's (migration 0009).
+///
+/// The other three types are most of a log; a query by one of them reads
+/// the log in position order and keeps its rows, as fast as an index would
+/// find them when every few rows is one, and an append does not pay for
+/// an index entry per event (docs/audit.md, "Events by type").
+const SPARSE_TYPES: [&str; 5] = [
+    "session_started",
+    "catalog_defined",
+    "prompt_submitted",
+    "compaction",
+    "mode_switched",
+];
+const SPARSE_TYPES_TERM: &str = " AND e.type IN ('session_started', 'catalog_defined', \
+     'prompt_submitted', 'compaction', 'mode_switched')";
+
 fn events_sql<'a, DB: Dialect>(prefix: &str, q: &EventQuery) -> QueryBuilder<'a, DB>
 where
     for<'b> String: sqlx::Encode<'b, DB> + sqlx::Type<DB>,
@@ -321,6 +340,9 @@ where
     if let Some(t) = &q.event_type {
         b.push(" AND e.type = ");
         b.push_bind(t.clone());
+        if SPARSE_TYPES.contains(&t.as_str()) {
+            b.push(SPARSE_TYPES_TERM);
+        }
     }
     if let Some(p) = q.from_position {
         b.push(" AND e.position >= ");
@@ -867,6 +889,29 @@ mod default_tests {
         let page = store.audit_events(&EventQuery::default()).await.unwrap();
         assert!(page.events.is_empty());
         store.close().await;
+    }
+
+    /// The term a query by a sparse type adds is the partial index's
+    /// `WHERE` on both backends, listing the same types in the same order
+    /// (SQLite compares the two term by term), each of them a known type.
+    #[test]
+    fn the_sparse_types_term_is_the_partial_index_where() {
+        let listed = SPARSE_TYPES.map(|t| format!("'{t}'")).join(", ");
+        let squeezed = |s: &str| s.split_whitespace().collect::<Vec<_>>().join(" ");
+        assert_eq!(
+            squeezed(SPARSE_TYPES_TERM),
+            format!("AND e.type IN ({listed})")
+        );
+        for migration in [
+            include_str!("../../migrations/sqlite/0009_sparse_type_index.sql"),
+            include_str!("../../migrations/postgres/0009_sparse_type_index.sql"),
+        ] {
+            assert!(
+                squeezed(migration).contains(&format!("WHERE type IN ({listed});")),
+                "{migration}"
+            );
+        }
+        assert!(SPARSE_TYPES.iter().all(|t| EVENT_TYPES.contains(t)));
     }
 
     /// The bounds of the stored times are the first and last microsecond

@@ -143,11 +143,7 @@ macro_rules! both_backends {
 /// as an operator (or an attacker) with database access would.
 #[allow(dead_code)]
 pub fn raw_sql(url: &str, sql: &str) {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
+    block_on(async {
         if url.starts_with("postgres") {
             let pool = sqlx::PgPool::connect(url).await.unwrap();
             sqlx::query(sql).execute(&pool).await.unwrap();
@@ -156,4 +152,28 @@ pub fn raw_sql(url: &str, sql: &str) {
             sqlx::query(sql).execute(&pool).await.unwrap();
         }
     });
+}
+
+/// The first column of the first row of `sql`, as text (`None` when there
+/// is no row or it is NULL), read around the store.
+pub fn scalar(url: &str, sql: &str) -> Option<String> {
+    block_on(async {
+        if url.starts_with("postgres") {
+            let pool = sqlx::PgPool::connect(url).await.unwrap();
+            sqlx::query_scalar(sql).fetch_optional(&pool).await.unwrap()
+        } else {
+            let pool = sqlx::SqlitePool::connect(url).await.unwrap();
+            sqlx::query_scalar(sql).fetch_optional(&pool).await.unwrap()
+        }
+    })
+    .flatten()
+}
+
+/// `f` run to completion on a runtime of its own (the tests are sync).
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(f)
 }
