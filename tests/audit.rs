@@ -791,14 +791,23 @@ fn a_store_from_before_the_sparse_type_index_is_upgraded_whole() {
             back.push("DROP TABLE session_views".to_owned());
             back.push("ALTER TABLE session_views_rowid RENAME TO session_views".to_owned());
         }
-        back.push("DELETE FROM _sqlx_migrations WHERE version IN (9, 10)".to_owned());
+        // SQLite's 0009 and 0010; PostgreSQL's 0009, 0011 and 0012.
+        let versions = if backend == "sqlite" {
+            "9, 10"
+        } else {
+            "9, 11, 12"
+        };
+        back.push(format!(
+            "DELETE FROM _sqlx_migrations WHERE version IN ({versions})"
+        ));
         for sql in &back {
             common::raw_sql(url, sql);
         }
-        let applied =
-            "SELECT CAST(COUNT(*) AS TEXT) FROM _sqlx_migrations WHERE version IN (9, 10)";
+        let applied = format!(
+            "SELECT CAST(COUNT(*) AS TEXT) FROM _sqlx_migrations WHERE version IN ({versions})"
+        );
         assert_eq!(
-            common::scalar(url, applied).as_deref(),
+            common::scalar(url, &applied).as_deref(),
             Some("0"),
             "{backend}"
         );
@@ -808,12 +817,17 @@ fn a_store_from_before_the_sparse_type_index_is_upgraded_whole() {
         assert_eq!((page("compaction"), page("tool_call")), before, "{backend}");
         assert_eq!(common::scalar(url, views), views_before, "{backend}");
         assert!(run(url, &["verify", S]).status.success(), "{backend}");
-        let expected = if backend == "sqlite" { "2" } else { "1" };
+        let expected = if backend == "sqlite" { "2" } else { "3" };
         assert_eq!(
-            common::scalar(url, applied).as_deref(),
+            common::scalar(url, &applied).as_deref(),
             Some(expected),
             "{backend}"
         );
+        let old_index = match backend {
+            "sqlite" => "SELECT name FROM sqlite_master WHERE name = 'events_type_position'",
+            _ => "SELECT CAST(to_regclass('events_type_position') AS TEXT)",
+        };
+        assert_eq!(common::scalar(url, old_index), None, "{backend}");
         if backend == "sqlite" {
             let sql = common::scalar(
                 url,
@@ -865,4 +879,125 @@ fn postgres_audit_reads_are_not_jit_compiled() {
         assert!(!plan.contains("JIT:"), "{plan}");
         store.close().await;
     });
+}
+
+/// A PostgreSQL store holding the audit log, put back into the shape
+/// migrations 0009-0012 found: the index of every event by type, no
+/// partial one, the versions unapplied (`None` without PostgreSQL, as
+/// `common::postgres_db`).
+fn pg_store_before_sparse_types() -> Option<common::TestDb> {
+    let db = common::postgres_db()?;
+    assert!(run(&db.url, &["import", LOG]).status.success());
+    for sql in [
+        "DROP INDEX events_sparse_types",
+        "CREATE INDEX events_type_position ON events (type, position)",
+        "DELETE FROM _sqlx_migrations WHERE version IN (9, 11, 12)",
+    ] {
+        common::raw_sql(&db.url, sql);
+    }
+    Some(db)
+}
+
+#[test]
+fn postgres_the_type_index_migration_lets_others_read_while_it_waits() {
+    // 0012 drops the old index CONCURRENTLY: while it waits for a
+    // transaction that has read `events`, other connections still read
+    // the table. (A plain DROP INDEX queues for an exclusive lock, and
+    // every read behind it waits too.)
+    use sqlx::Connection;
+    let Some(db) = pg_store_before_sparse_types() else {
+        return;
+    };
+    let url = db.url.clone();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut holder = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::raw_sql("BEGIN; SELECT count(*) FROM events")
+            .execute(&mut holder)
+            .await
+            .unwrap();
+        let opening = tokio::spawn({
+            let url = url.clone();
+            async move { session_store::Store::open(&url).await }
+        });
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        assert!(!opening.is_finished(), "the migration did not wait");
+        let mut reader = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::raw_sql("SET lock_timeout = '2s'")
+            .execute(&mut reader)
+            .await
+            .unwrap();
+        let started = std::time::Instant::now();
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM events")
+            .fetch_one(&mut reader)
+            .await
+            .expect("a read while the migration waits");
+        assert_eq!(n, 15);
+        assert!(started.elapsed() < std::time::Duration::from_secs(1));
+        sqlx::raw_sql("COMMIT").execute(&mut holder).await.unwrap();
+        let store = opening.await.unwrap().expect("the migration");
+        store.close().await;
+    });
+    let gone = "SELECT CAST(to_regclass('events_type_position') AS TEXT)";
+    assert_eq!(common::scalar(&url, gone), None);
+}
+
+#[test]
+fn postgres_an_unfinished_sparse_type_index_is_rebuilt() {
+    // A build of 0009 cut off leaves an invalid index, which its IF NOT
+    // EXISTS passes over; 0011 rebuilds it, so the planner can use it.
+    let Some(db) = pg_store_before_sparse_types() else {
+        return;
+    };
+    let url = db.url.as_str();
+    common::raw_sql(
+        url,
+        "CREATE INDEX events_sparse_types ON events (type, position) \
+         WHERE type IN ('session_started', 'catalog_defined', 'prompt_submitted', 'compaction', \
+         'mode_switched')",
+    );
+    // What a cut-off concurrent build leaves (the test server's user is
+    // a superuser).
+    common::raw_sql(
+        url,
+        "UPDATE pg_index SET indisvalid = false \
+         WHERE indexrelid = to_regclass('events_sparse_types')",
+    );
+    let valid = "SELECT CAST(indisvalid AS TEXT) FROM pg_index \
+                 WHERE indexrelid = to_regclass('events_sparse_types')";
+    assert_eq!(common::scalar(url, valid).as_deref(), Some("false"));
+    let page = json_of(&run(
+        url,
+        &["audit", "events", "--type", "compaction", "--json"],
+    ));
+    assert_eq!(page["events"].as_array().unwrap().len(), 1, "{page}");
+    assert_eq!(common::scalar(url, valid).as_deref(), Some("true"));
+}
+
+#[test]
+fn postgres_instances_opening_together_all_migrate_the_type_index() {
+    // Several instances started at once on a store that needs 0009: one
+    // migrates while the others wait without holding a statement open,
+    // which `CREATE INDEX CONCURRENTLY` would wait for (a deadlock that
+    // PostgreSQL breaks by refusing one of them).
+    let Some(db) = pg_store_before_sparse_types() else {
+        return;
+    };
+    let url = db.url.clone();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let opens: Vec<_> = (0..3)
+            .map(|_| {
+                let url = url.clone();
+                tokio::spawn(async move { session_store::Store::open(&url).await })
+            })
+            .collect();
+        for open in opens {
+            let store = open.await.unwrap().expect("every instance opens");
+            store.close().await;
+        }
+    });
+    let valid = "SELECT CAST(indisvalid AS TEXT) FROM pg_index \
+                 WHERE indexrelid = to_regclass('events_sparse_types')";
+    assert_eq!(common::scalar(&url, valid).as_deref(), Some("true"));
 }

@@ -1,13 +1,13 @@
+-- no-transaction
 -- Events by type: only the sparse types are indexed (docs/audit.md,
--- "Events by type").
+-- "Events by type"); 0012 drops the index of every event by type.
 --
--- `events_type_position` put every event into an index keyed by type, so a
--- commit dirtied the last leaf of each type's range: on SQLite about 16 of
--- the 110 WAL pages a batch of 100 wrote, for 100 entries of 20 bytes
--- (docs/benchmarks.md, item 34). The three transcript types that make up
--- most of a log (assistant text, tool calls and results) are found as
--- fast by reading the log in position order and keeping theirs, since
--- every few rows is one; the others come once a turn or more rarely, and
+-- `events_type_position` put every event into an index keyed by type: a
+-- B-tree entry per event, and on SQLite about 16 of the 108 WAL pages a
+-- batch of 100 wrote (docs/benchmarks.md, item 34). The three transcript
+-- types that make up most of a log (assistant text, tool calls and
+-- results) are found as fast by reading the log in position order and
+-- keeping theirs, since every few rows is one; the others are rarer, and
 -- for them the index is what makes a page of them a short read.
 --
 -- The WHERE below is the one the queries repeat word for word
@@ -16,8 +16,9 @@
 -- terms; PostgreSQL proves `type = 'compaction'` implies the list, and
 -- the repeated term costs it nothing.
 --
--- Built in the migration's transaction, so appends wait while it reads
--- the log once.
-DROP INDEX events_type_position;
-CREATE INDEX events_sparse_types ON events (type, position)
+-- Built CONCURRENTLY, outside a transaction (so alone in its file):
+-- other instances go on reading and appending while it reads the log.
+-- A build cut off (a timeout, a crash) leaves an invalid index that
+-- IF NOT EXISTS then keeps: 0011 rebuilds it.
+CREATE INDEX CONCURRENTLY IF NOT EXISTS events_sparse_types ON events (type, position)
     WHERE type IN ('session_started', 'catalog_defined', 'prompt_submitted', 'compaction', 'mode_switched');

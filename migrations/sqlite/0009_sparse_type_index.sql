@@ -7,8 +7,8 @@
 -- (docs/benchmarks.md, item 34). The three transcript types that make up
 -- most of a log (assistant text, tool calls and results) are found as
 -- fast by reading the log in position order and keeping theirs, since
--- every few rows is one; the others come once a turn or more rarely, and
--- for them the index is what makes a page of them a short read.
+-- every few rows is one; the others are a small share of a log, and for
+-- them the index is what makes a page of them a short read.
 --
 -- The WHERE below is the one the queries repeat word for word
 -- (`SPARSE_TYPES` in src/store/query.rs): SQLite uses a partial index only

@@ -131,6 +131,10 @@ const SESSION_SETTINGS: [(&str, &str); 6] = [
     ("jit", "off"),
 ];
 
+/// The advisory lock an instance holds while it migrates the database
+/// (`PgBackend::migrate`): any constant, distinct from the migrator's own.
+const MIGRATION_LOCK: i64 = 0x5353_4d49_4752_4154;
+
 /// The LISTEN/NOTIFY channel: payload "session:seq", a wake-up only.
 pub(crate) const NOTIFY_CHANNEL: &str = "session_store_events";
 
@@ -337,10 +341,52 @@ impl PgBackend {
         if applied.as_ref() == Some(&known) {
             return Ok(());
         }
-        MIGRATOR
-            .run(&self.pool)
+        // On a connection of its own without the statement timeout: a
+        // migration that builds an index reads the whole log, which on a
+        // large store takes longer than any one statement of the store's
+        // may (30 s). The lock timeout stays: a migration waiting on a
+        // lock that others then queue behind is said, not waited on.
+        let mut conn = self
+            .pool
+            .acquire()
             .await
-            .map_err(|e| Error::from_migration("PostgreSQL", e))
+            .map_err(Error::from_sqlx)?
+            .detach();
+        let result = async {
+            sqlx::query("SET statement_timeout = 0")
+                .execute(&mut conn)
+                .await
+                .map_err(Error::from_sqlx)?;
+            // One instance migrates at a time. The migrator's own lock is
+            // a blocking `pg_advisory_lock`, and an instance blocked in it
+            // is a statement in progress, which `CREATE INDEX
+            // CONCURRENTLY` (0009) waits for while the instance waits for
+            // the lock holder: a deadlock, one of them refused. So this
+            // lock is asked for without blocking, again every 200 ms, and
+            // only its holder goes on to the migrator's (then free).
+            let mut waited = std::time::Instant::now();
+            while !sqlx::query_scalar::<_, bool>("SELECT pg_try_advisory_lock($1)")
+                .bind(MIGRATION_LOCK)
+                .fetch_one(&mut conn)
+                .await
+                .map_err(Error::from_sqlx)?
+            {
+                if waited.elapsed() >= Duration::from_secs(10) {
+                    tracing::info!("waiting for another instance to finish migrating the database");
+                    waited = std::time::Instant::now();
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            MIGRATOR
+                .run_direct(&mut conn)
+                .await
+                .map_err(|e| Error::from_migration("PostgreSQL", e))
+        }
+        .await;
+        // Its settings are not the store's: closed, not returned (which
+        // also releases the lock).
+        let _ = conn.close().await;
+        result
     }
 
     pub(crate) async fn begin_write(&self) -> Result<PgTx> {

@@ -310,8 +310,9 @@ impl Scope {
 const EVENT_COLUMNS: &str =
     "SELECT e.position, e.session_id, e.seq, e.event_id, e.payload, e.recorded_at FROM events e";
 
-/// The event types the partial index `events_sparse_types` holds (those a
-/// turn has at most one of), and its `WHERE`, which a query by one of them
+/// The event types the partial index `events_sparse_types` holds (a
+/// small share of any log: a session's start, catalogs, prompts,
+/// compactions, mode switches), and its `WHERE`, which a query by one of them
 /// repeats word for word: SQLite uses a partial index only for a query
 /// whose `WHERE` holds each term of the index's (migration 0009).
 ///
