@@ -791,11 +791,11 @@ fn a_store_from_before_the_sparse_type_index_is_upgraded_whole() {
             back.push("DROP TABLE session_views".to_owned());
             back.push("ALTER TABLE session_views_rowid RENAME TO session_views".to_owned());
         }
-        // SQLite's 0009 and 0010; PostgreSQL's 0009, 0011 and 0012.
+        // SQLite's 0009 and 0010; PostgreSQL's 0009 and 0011.
         let versions = if backend == "sqlite" {
             "9, 10"
         } else {
-            "9, 11, 12"
+            "9, 11"
         };
         back.push(format!(
             "DELETE FROM _sqlx_migrations WHERE version IN ({versions})"
@@ -817,7 +817,7 @@ fn a_store_from_before_the_sparse_type_index_is_upgraded_whole() {
         assert_eq!((page("compaction"), page("tool_call")), before, "{backend}");
         assert_eq!(common::scalar(url, views), views_before, "{backend}");
         assert!(run(url, &["verify", S]).status.success(), "{backend}");
-        let expected = if backend == "sqlite" { "2" } else { "3" };
+        let expected = "2";
         assert_eq!(
             common::scalar(url, &applied).as_deref(),
             Some(expected),
@@ -882,7 +882,7 @@ fn postgres_audit_reads_are_not_jit_compiled() {
 }
 
 /// A PostgreSQL store holding the audit log, put back into the shape
-/// migrations 0009-0012 found: the index of every event by type, no
+/// migrations 0009 and 0011 found: the index of every event by type, no
 /// partial one, the versions unapplied (`None` without PostgreSQL, as
 /// `common::postgres_db`).
 fn pg_store_before_sparse_types() -> Option<common::TestDb> {
@@ -891,7 +891,7 @@ fn pg_store_before_sparse_types() -> Option<common::TestDb> {
     for sql in [
         "DROP INDEX events_sparse_types",
         "CREATE INDEX events_type_position ON events (type, position)",
-        "DELETE FROM _sqlx_migrations WHERE version IN (9, 11, 12)",
+        "DELETE FROM _sqlx_migrations WHERE version IN (9, 11)",
     ] {
         common::raw_sql(&db.url, sql);
     }
@@ -900,7 +900,7 @@ fn pg_store_before_sparse_types() -> Option<common::TestDb> {
 
 #[test]
 fn postgres_the_type_index_migration_lets_others_read_while_it_waits() {
-    // 0012 drops the old index CONCURRENTLY: while it waits for a
+    // 0011 drops the old index CONCURRENTLY: while it waits for a
     // transaction that has read `events`, other connections still read
     // the table. (A plain DROP INDEX queues for an exclusive lock, and
     // every read behind it waits too.)
@@ -943,35 +943,112 @@ fn postgres_the_type_index_migration_lets_others_read_while_it_waits() {
 }
 
 #[test]
-fn postgres_an_unfinished_sparse_type_index_is_rebuilt() {
+fn postgres_an_unfinished_sparse_type_index_is_built_again_without_stopping_reads() {
     // A build of 0009 cut off leaves an invalid index, which its IF NOT
-    // EXISTS passes over; 0011 rebuilds it, so the planner can use it.
+    // EXISTS would pass over (and record 0009): the next open drops it and
+    // builds it again, both CONCURRENTLY, so that reads go on meanwhile.
+    // (0009 is recorded only after a build that finished.)
+    use sqlx::Connection;
     let Some(db) = pg_store_before_sparse_types() else {
         return;
     };
-    let url = db.url.as_str();
-    common::raw_sql(
-        url,
-        "CREATE INDEX events_sparse_types ON events (type, position) \
-         WHERE type IN ('session_started', 'catalog_defined', 'prompt_submitted', 'compaction', \
-         'mode_switched')",
-    );
-    // What a cut-off concurrent build leaves (the test server's user is
-    // a superuser).
-    common::raw_sql(
-        url,
-        "UPDATE pg_index SET indisvalid = false \
-         WHERE indexrelid = to_regclass('events_sparse_types')",
-    );
+    let url = db.url.clone();
     let valid = "SELECT CAST(indisvalid AS TEXT) FROM pg_index \
                  WHERE indexrelid = to_regclass('events_sparse_types')";
-    assert_eq!(common::scalar(url, valid).as_deref(), Some("false"));
+    let cut_off = || {
+        common::raw_sql(
+            &url,
+            "CREATE INDEX IF NOT EXISTS events_sparse_types ON events (type, position) \
+             WHERE type IN ('session_started', 'catalog_defined', 'prompt_submitted', \
+             'compaction', 'mode_switched')",
+        );
+        // What a cut-off concurrent build leaves (the test server's user
+        // is a superuser).
+        common::raw_sql(
+            &url,
+            "UPDATE pg_index SET indisvalid = false \
+             WHERE indexrelid = to_regclass('events_sparse_types')",
+        );
+        assert_eq!(common::scalar(&url, valid).as_deref(), Some("false"));
+    };
+    // A transaction that has read `events` stays open while the store
+    // opens.
+    cut_off();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut holder = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::raw_sql("BEGIN; SELECT count(*) FROM events")
+            .execute(&mut holder)
+            .await
+            .unwrap();
+        let opening = tokio::spawn({
+            let url = url.clone();
+            async move { session_store::Store::open(&url).await }
+        });
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        assert!(!opening.is_finished(), "the repair did not wait");
+        let mut reader = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::raw_sql("SET lock_timeout = '2s'")
+            .execute(&mut reader)
+            .await
+            .unwrap();
+        let started = std::time::Instant::now();
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM events WHERE type = 'compaction'")
+            .fetch_one(&mut reader)
+            .await
+            .expect("a read while the repair waits");
+        assert_eq!(n, 1);
+        assert!(started.elapsed() < std::time::Duration::from_secs(1));
+        sqlx::raw_sql("COMMIT").execute(&mut holder).await.unwrap();
+        opening.await.unwrap().expect("the open").close().await;
+    });
+    assert_eq!(common::scalar(&url, valid).as_deref(), Some("true"));
     let page = json_of(&run(
-        url,
+        &url,
         &["audit", "events", "--type", "compaction", "--json"],
     ));
     assert_eq!(page["events"].as_array().unwrap().len(), 1, "{page}");
-    assert_eq!(common::scalar(url, valid).as_deref(), Some("true"));
+}
+
+#[test]
+fn postgres_an_open_waits_for_another_instances_migration_a_bounded_time() {
+    // An instance frozen while it holds the migration lock must not hold
+    // every open behind it until its connection dies.
+    use sqlx::Connection;
+    let Some(db) = pg_store_before_sparse_types() else {
+        return;
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut frozen = sqlx::PgConnection::connect(&db.url).await.unwrap();
+        // `MIGRATION_LOCK` of src/store/postgres.rs (0x5353_4d49_4752_4154).
+        sqlx::query("SELECT pg_advisory_lock(6004227705339527508)")
+            .execute(&mut frozen)
+            .await
+            .unwrap();
+        let options = session_store::StoreOptions {
+            migration_lock_wait: std::time::Duration::from_secs(1),
+            ..session_store::StoreOptions::default()
+        };
+        let started = std::time::Instant::now();
+        let err = match session_store::Store::open_with(&db.url, options).await {
+            Ok(_) => panic!("opened while another instance holds the migration lock"),
+            Err(e) => e,
+        };
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+        assert!(
+            err.to_string()
+                .contains("another instance has been migrating"),
+            "{err}"
+        );
+        // Released, the next open migrates.
+        frozen.close().await.unwrap();
+        session_store::Store::open(&db.url)
+            .await
+            .unwrap()
+            .close()
+            .await;
+    });
 }
 
 #[test]

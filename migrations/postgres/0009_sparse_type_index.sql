@@ -1,6 +1,6 @@
 -- no-transaction
 -- Events by type: only the sparse types are indexed (docs/audit.md,
--- "Events by type"); 0012 drops the index of every event by type.
+-- "Events by type"); 0011 drops the index of every event by type.
 --
 -- `events_type_position` put every event into an index keyed by type: a
 -- B-tree entry per event, and on SQLite about 16 of the 108 WAL pages a
@@ -18,7 +18,9 @@
 --
 -- Built CONCURRENTLY, outside a transaction (so alone in its file):
 -- other instances go on reading and appending while it reads the log.
--- A build cut off (a timeout, a crash) leaves an invalid index that
--- IF NOT EXISTS then keeps: 0011 rebuilds it.
+-- A build cut off (a lock timeout, a cancel, a crash) leaves an invalid
+-- index that IF NOT EXISTS would keep: the next open drops it and runs
+-- this file again first (`repair_cut_off_builds` in
+-- src/store/postgres.rs). (0010 is SQLite's.)
 CREATE INDEX CONCURRENTLY IF NOT EXISTS events_sparse_types ON events (type, position)
     WHERE type IN ('session_started', 'catalog_defined', 'prompt_submitted', 'compaction', 'mode_switched');

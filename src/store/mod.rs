@@ -121,6 +121,12 @@ pub struct AppendPaths {
 pub struct StoreOptions {
     /// Largest accepted event, in bytes of JSON text (§4).
     pub max_event_bytes: usize,
+    /// PostgreSQL: how long an open waits for another instance that is
+    /// migrating the database (15 minutes by default: an index build of a
+    /// large log takes minutes) before it fails, saying so. Bounded so
+    /// that an instance frozen while it holds the migration lock cannot
+    /// hold every open behind it until its connection dies.
+    pub migration_lock_wait: std::time::Duration,
     /// Seconds to wait for a connection before saying the storage is
     /// unavailable.
     pub connect_timeout_secs: u64,
@@ -196,6 +202,7 @@ impl Default for StoreOptions {
             window_read_bytes: FOLD_PAGE_BYTES,
             create_if_missing: true,
             state_cache_bytes: DEFAULT_STATE_CACHE_BYTES,
+            migration_lock_wait: std::time::Duration::from_secs(15 * 60),
         }
     }
 }

@@ -131,6 +131,38 @@ const SESSION_SETTINGS: [(&str, &str); 6] = [
     ("jit", "off"),
 ];
 
+/// A concurrent index build of a migration (0009) that was cut off (a lock
+/// timeout, a cancel, a crash) leaves its index invalid, which the
+/// migration's `IF NOT EXISTS` would then pass over, and which the planner
+/// never uses. Dropped and built again, both `CONCURRENTLY` (each its own
+/// statement, outside a transaction), so that other instances go on
+/// reading and appending, as during the first build.
+async fn repair_cut_off_builds(conn: &mut sqlx::PgConnection) -> Result<()> {
+    use sqlx::Executor;
+    let invalid: Option<bool> = sqlx::query_scalar(
+        "SELECT NOT indisvalid FROM pg_index WHERE indexrelid = to_regclass('events_sparse_types')",
+    )
+    .fetch_optional(&mut *conn)
+    .await
+    .map_err(Error::from_sqlx)?;
+    if invalid != Some(true) {
+        return Ok(());
+    }
+    tracing::warn!("building again the index events_sparse_types, whose build was cut off");
+    let build = MIGRATOR
+        .iter()
+        .find(|m| m.version == 9)
+        .map(|m| m.sql.to_string())
+        .unwrap_or_default();
+    conn.execute("DROP INDEX CONCURRENTLY IF EXISTS events_sparse_types")
+        .await
+        .map_err(Error::from_sqlx)?;
+    conn.execute(build.as_str())
+        .await
+        .map_err(Error::from_sqlx)?;
+    Ok(())
+}
+
 /// The advisory lock an instance holds while it migrates the database
 /// (`PgBackend::migrate`): any constant, distinct from the migrator's own.
 const MIGRATION_LOCK: i64 = 0x5353_4d49_4752_4154;
@@ -148,6 +180,8 @@ pub(crate) struct PgBackend {
     /// [`StoreOptions::read_deadline`]: the longest one round trip of a
     /// read may take.
     read_deadline: Option<Duration>,
+    /// [`StoreOptions::migration_lock_wait`].
+    migration_lock_wait: Duration,
 }
 
 /// Waits for one round trip at most `deadline` (`None`: as long as the
@@ -278,6 +312,7 @@ impl PgBackend {
                 pool,
                 connect: std::sync::Arc::new(connect),
                 read_deadline: options.read_deadline,
+                migration_lock_wait: options.migration_lock_wait,
             }),
             Err(sqlx::Error::PoolTimedOut) => {
                 // The pool's timeout hides why each attempt failed: one
@@ -364,19 +399,28 @@ impl PgBackend {
             // the lock holder: a deadlock, one of them refused. So this
             // lock is asked for without blocking, again every 200 ms, and
             // only its holder goes on to the migrator's (then free).
-            let mut waited = std::time::Instant::now();
+            let started = std::time::Instant::now();
+            let mut said = started;
             while !sqlx::query_scalar::<_, bool>("SELECT pg_try_advisory_lock($1)")
                 .bind(MIGRATION_LOCK)
                 .fetch_one(&mut conn)
                 .await
                 .map_err(Error::from_sqlx)?
             {
-                if waited.elapsed() >= Duration::from_secs(10) {
+                if started.elapsed() >= self.migration_lock_wait {
+                    return Err(Error::Unavailable(format!(
+                        "another instance has been migrating the PostgreSQL database for {} s \
+                         (or stopped while it held the migration lock); try again once it is done",
+                        started.elapsed().as_secs()
+                    )));
+                }
+                if said.elapsed() >= Duration::from_secs(10) {
                     tracing::info!("waiting for another instance to finish migrating the database");
-                    waited = std::time::Instant::now();
+                    said = std::time::Instant::now();
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
+            repair_cut_off_builds(&mut conn).await?;
             MIGRATOR
                 .run_direct(&mut conn)
                 .await
