@@ -898,46 +898,55 @@ fn pg_store_before_sparse_types() -> Option<common::TestDb> {
     Some(db)
 }
 
+/// Opens a store on `url` (which has migrations to apply) while another
+/// connection holds a transaction that has read `events`, which the
+/// migration waits for; meanwhile a third connection's `read` must answer
+/// `expected` at once, not queue behind the migration's locks (it gives
+/// up after 2 s). Then the transaction ends and the open must succeed.
+fn open_while_a_reader_holds_events(url: &str, read: &str, expected: i64) {
+    use sqlx::Connection;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut holder = sqlx::PgConnection::connect(url).await.unwrap();
+        sqlx::raw_sql("BEGIN; SELECT count(*) FROM events")
+            .execute(&mut holder)
+            .await
+            .unwrap();
+        let opening = tokio::spawn({
+            let url = url.to_owned();
+            async move { session_store::Store::open(&url).await }
+        });
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        assert!(!opening.is_finished(), "the migration did not wait");
+        let mut reader = sqlx::PgConnection::connect(url).await.unwrap();
+        sqlx::raw_sql("SET lock_timeout = '2s'")
+            .execute(&mut reader)
+            .await
+            .unwrap();
+        let started = std::time::Instant::now();
+        let n: i64 = sqlx::query_scalar(read)
+            .fetch_one(&mut reader)
+            .await
+            .expect("a read while the migration waits");
+        assert_eq!(n, expected);
+        assert!(started.elapsed() < std::time::Duration::from_secs(1));
+        sqlx::raw_sql("COMMIT").execute(&mut holder).await.unwrap();
+        let store = opening.await.unwrap().expect("the open");
+        store.close().await;
+    });
+}
+
 #[test]
 fn postgres_the_type_index_migration_lets_others_read_while_it_waits() {
     // 0011 drops the old index CONCURRENTLY: while it waits for a
     // transaction that has read `events`, other connections still read
     // the table. (A plain DROP INDEX queues for an exclusive lock, and
     // every read behind it waits too.)
-    use sqlx::Connection;
     let Some(db) = pg_store_before_sparse_types() else {
         return;
     };
     let url = db.url.clone();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async {
-        let mut holder = sqlx::PgConnection::connect(&url).await.unwrap();
-        sqlx::raw_sql("BEGIN; SELECT count(*) FROM events")
-            .execute(&mut holder)
-            .await
-            .unwrap();
-        let opening = tokio::spawn({
-            let url = url.clone();
-            async move { session_store::Store::open(&url).await }
-        });
-        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
-        assert!(!opening.is_finished(), "the migration did not wait");
-        let mut reader = sqlx::PgConnection::connect(&url).await.unwrap();
-        sqlx::raw_sql("SET lock_timeout = '2s'")
-            .execute(&mut reader)
-            .await
-            .unwrap();
-        let started = std::time::Instant::now();
-        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM events")
-            .fetch_one(&mut reader)
-            .await
-            .expect("a read while the migration waits");
-        assert_eq!(n, 15);
-        assert!(started.elapsed() < std::time::Duration::from_secs(1));
-        sqlx::raw_sql("COMMIT").execute(&mut holder).await.unwrap();
-        let store = opening.await.unwrap().expect("the migration");
-        store.close().await;
-    });
+    open_while_a_reader_holds_events(&url, "SELECT count(*) FROM events", 15);
     let gone = "SELECT CAST(to_regclass('events_type_position') AS TEXT)";
     assert_eq!(common::scalar(&url, gone), None);
 }
@@ -948,60 +957,31 @@ fn postgres_an_unfinished_sparse_type_index_is_built_again_without_stopping_read
     // EXISTS would pass over (and record 0009): the next open drops it and
     // builds it again, both CONCURRENTLY, so that reads go on meanwhile.
     // (0009 is recorded only after a build that finished.)
-    use sqlx::Connection;
     let Some(db) = pg_store_before_sparse_types() else {
         return;
     };
     let url = db.url.clone();
     let valid = "SELECT CAST(indisvalid AS TEXT) FROM pg_index \
                  WHERE indexrelid = to_regclass('events_sparse_types')";
-    let cut_off = || {
-        common::raw_sql(
-            &url,
-            "CREATE INDEX IF NOT EXISTS events_sparse_types ON events (type, position) \
-             WHERE type IN ('session_started', 'catalog_defined', 'prompt_submitted', \
-             'compaction', 'mode_switched')",
-        );
-        // What a cut-off concurrent build leaves (the test server's user
-        // is a superuser).
-        common::raw_sql(
-            &url,
-            "UPDATE pg_index SET indisvalid = false \
-             WHERE indexrelid = to_regclass('events_sparse_types')",
-        );
-        assert_eq!(common::scalar(&url, valid).as_deref(), Some("false"));
-    };
-    // A transaction that has read `events` stays open while the store
-    // opens.
-    cut_off();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async {
-        let mut holder = sqlx::PgConnection::connect(&url).await.unwrap();
-        sqlx::raw_sql("BEGIN; SELECT count(*) FROM events")
-            .execute(&mut holder)
-            .await
-            .unwrap();
-        let opening = tokio::spawn({
-            let url = url.clone();
-            async move { session_store::Store::open(&url).await }
-        });
-        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
-        assert!(!opening.is_finished(), "the repair did not wait");
-        let mut reader = sqlx::PgConnection::connect(&url).await.unwrap();
-        sqlx::raw_sql("SET lock_timeout = '2s'")
-            .execute(&mut reader)
-            .await
-            .unwrap();
-        let started = std::time::Instant::now();
-        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM events WHERE type = 'compaction'")
-            .fetch_one(&mut reader)
-            .await
-            .expect("a read while the repair waits");
-        assert_eq!(n, 1);
-        assert!(started.elapsed() < std::time::Duration::from_secs(1));
-        sqlx::raw_sql("COMMIT").execute(&mut holder).await.unwrap();
-        opening.await.unwrap().expect("the open").close().await;
-    });
+    common::raw_sql(
+        &url,
+        "CREATE INDEX events_sparse_types ON events (type, position) \
+         WHERE type IN ('session_started', 'catalog_defined', 'prompt_submitted', \
+         'compaction', 'mode_switched')",
+    );
+    // What a cut-off concurrent build leaves (the test server's user is a
+    // superuser).
+    common::raw_sql(
+        &url,
+        "UPDATE pg_index SET indisvalid = false \
+         WHERE indexrelid = to_regclass('events_sparse_types')",
+    );
+    assert_eq!(common::scalar(&url, valid).as_deref(), Some("false"));
+    open_while_a_reader_holds_events(
+        &url,
+        "SELECT count(*) FROM events WHERE type = 'compaction'",
+        1,
+    );
     assert_eq!(common::scalar(&url, valid).as_deref(), Some("true"));
     let page = json_of(&run(
         &url,
