@@ -312,9 +312,10 @@ const EVENT_COLUMNS: &str =
 
 /// The event types the partial index `events_sparse_types` holds (a
 /// small share of any log: a session's start, catalogs, prompts,
-/// compactions, mode switches), and its `WHERE`, which a query by one of them
-/// repeats word for word: SQLite uses a partial index only for a query
-/// whose `WHERE` holds each term of the index's (migration 0009).
+/// compactions, mode switches), whose `WHERE` a query by one of them
+/// repeats word for word ([`sparse_types_term`]): SQLite uses a partial
+/// index only for a query whose `WHERE` holds each term of the index's
+/// (migration 0009).
 ///
 /// The other three types are most of a log; a query by one of them reads
 /// the log in position order and keeps its rows, as fast as an index would
@@ -327,8 +328,16 @@ const SPARSE_TYPES: [&str; 5] = [
     "compaction",
     "mode_switched",
 ];
-const SPARSE_TYPES_TERM: &str = " AND e.type IN ('session_started', 'catalog_defined', \
-     'prompt_submitted', 'compaction', 'mode_switched')";
+
+/// `AND e.type IN (…)` listing [`SPARSE_TYPES`] in their order, as the
+/// partial index's `WHERE` does (SQLite compares the two term by term).
+fn sparse_types_term() -> &'static str {
+    static TERM: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    TERM.get_or_init(|| {
+        let listed = SPARSE_TYPES.map(|t| format!("'{t}'")).join(", ");
+        format!(" AND e.type IN ({listed})")
+    })
+}
 
 fn events_sql<'a, DB: Dialect>(prefix: &str, q: &EventQuery) -> QueryBuilder<'a, DB>
 where
@@ -342,7 +351,7 @@ where
         b.push(" AND e.type = ");
         b.push_bind(t.clone());
         if SPARSE_TYPES.contains(&t.as_str()) {
-            b.push(SPARSE_TYPES_TERM);
+            b.push(sparse_types_term());
         }
     }
     if let Some(p) = q.from_position {
@@ -900,7 +909,7 @@ mod default_tests {
         let listed = SPARSE_TYPES.map(|t| format!("'{t}'")).join(", ");
         let squeezed = |s: &str| s.split_whitespace().collect::<Vec<_>>().join(" ");
         assert_eq!(
-            squeezed(SPARSE_TYPES_TERM),
+            squeezed(sparse_types_term()),
             format!("AND e.type IN ({listed})")
         );
         for migration in [
