@@ -476,3 +476,69 @@ both_backends!(
         assert!(paths.optimistic >= 1, "{paths:?}");
     }
 );
+
+// Rows sent ahead (docs/design.md, "Rows sent ahead"): in an optimistic
+// group of long batches, SQLite writes the first batches' rows while the
+// later ones are judged. One batch refused at its end sends the whole
+// group to the lock, which stores the others whole and nothing of it, at
+// positions without a hole.
+both_backends!(
+    a_refused_long_batch_of_an_optimistic_group_leaves_nothing_behind,
+    |url: String| async move {
+        let options = StoreOptions {
+            fault_pause_after_commit: Some(Duration::from_millis(300)),
+            ..StoreOptions::default()
+        };
+        let store = Arc::new(Store::open_with(&url, options).await.unwrap());
+        let sessions: Vec<Uuid> = (0..4).map(|_| Uuid::new_v4()).collect();
+        for s in &sessions {
+            store.append(*s, 0, vec![started()]).await.unwrap();
+            store.append(*s, 1, vec![prompt("warm")]).await.unwrap();
+        }
+        let holder = {
+            let store = store.clone();
+            let s = sessions[0];
+            tokio::spawn(async move { store.append(s, 2, vec![prompt("hold")]).await })
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut tasks = Vec::new();
+        for (i, s) in sessions.iter().copied().enumerate() {
+            let store = store.clone();
+            let expected = if i == 0 { 3 } else { 2 };
+            tasks.push(tokio::spawn(async move {
+                let mut batch: Vec<NewEvent> =
+                    (0..40).map(|n| prompt(&format!("{i}:{n}"))).collect();
+                if i == 2 {
+                    batch.push(orphan_result());
+                }
+                store.append(s, expected, batch).await
+            }));
+        }
+        holder.await.unwrap().unwrap();
+        for (i, t) in tasks.into_iter().enumerate() {
+            match (i, t.await.unwrap()) {
+                (2, Err(Error::Invalid(v))) => assert_eq!(v.index, Some(40)),
+                (2, other) => panic!("the third batch ends with an orphan result: {other:?}"),
+                (_, Ok(outcome)) => assert_eq!(outcome.events.len(), 40),
+                (_, Err(e)) => panic!("batch {i} is valid: {e:?}"),
+            }
+        }
+        let feed = store.feed(0, 10_000).await.unwrap();
+        let positions: Vec<i64> = feed.iter().map(|e| e.position).collect();
+        assert_eq!(positions, (1..=feed.len() as i64).collect::<Vec<_>>());
+        assert_eq!(feed.len(), 4 * 2 + 1 + 3 * 40);
+        assert_eq!(store.head_seq(sessions[2]).await.unwrap(), 2);
+        store.clear_cache();
+        for (i, s) in sessions.iter().enumerate() {
+            let expected = match i {
+                0 => 43,
+                2 => 2,
+                _ => 42,
+            };
+            assert_eq!(store.head_seq(*s).await.unwrap(), expected);
+            assert_eq!(store.verify(*s).await.unwrap(), None);
+        }
+        let paths = store.append_paths();
+        assert!(paths.optimistic_abandoned >= 1, "{paths:?}");
+    }
+);

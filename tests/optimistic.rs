@@ -723,3 +723,125 @@ async fn a_write_lock_held_elsewhere_is_waited_for_once() {
     store.append(s, 4, vec![prompt("after")]).await.unwrap();
     agrees_with_the_log(&store, s).await;
 }
+
+/// A long batch of a warm session: calls with their results and a prompt
+/// every few events, `n` events in all, numbered from `from`.
+fn long_batch(from: usize, n: usize) -> Vec<NewEvent> {
+    (from..from + n)
+        .map(|i| match i % 5 {
+            0 => prompt(&format!("prompt {i}")),
+            1 => call(&format!("long-{i}"), "ToolSearch"),
+            2 => result(&format!("long-{}", i - 1), "ToolSearch", &["Deploy"]),
+            3 => call(&format!("long-{i}"), "Deploy"),
+            _ => result(&format!("long-{}", i - 1), "Deploy", &[]),
+        })
+        .collect()
+}
+
+// Rows sent ahead (docs/design.md, "Rows sent ahead"): SQLite's optimistic
+// transaction writes a long batch's first rows while its later events are
+// judged. A batch refused at its end leaves none of them behind
+// (in a group: tests/group_commit.rs); a batch whose opening check finds the log moved goes to
+// the lock whole. Every answer is what the lock would give.
+both_backends!(
+    rows_sent_ahead_of_a_refusal_leave_nothing_behind,
+    |url: String| async move {
+        let store = Store::open(&url).await.unwrap();
+        let other = Store::open(&url).await.unwrap();
+        let (s, elsewhere) = (Uuid::new_v4(), Uuid::new_v4());
+        store
+            .append(s, 0, vec![started(), catalog(&["Deploy"])])
+            .await
+            .unwrap();
+        store.append(s, 2, vec![prompt("warm")]).await.unwrap();
+        other.append(elsewhere, 0, vec![started()]).await.unwrap();
+        // Seen moved, then quiet: the next group is optimistic.
+        store.append(s, 3, vec![prompt("moved")]).await.unwrap();
+        store.append(s, 4, vec![prompt("quiet")]).await.unwrap();
+        let last_position = |feed: &[session_store::StoredEvent]| {
+            feed.iter().map(|e| e.position).max().unwrap_or(0)
+        };
+        let before_feed = store.feed(0, 10_000).await.unwrap();
+
+        // 1. Sixty events, the last a result of a call never made.
+        let before = store.append_paths();
+        let mut batch = long_batch(0, 59);
+        batch.push(result("never-called", "Deploy", &[]));
+        match store.append(s, 5, batch).await {
+            Err(Error::Invalid(v)) => {
+                assert_eq!(v.rule, Rule::ResultWithoutCall);
+                assert_eq!(v.index, Some(59));
+            }
+            other => panic!("the batch's last event has no call: {other:?}"),
+        }
+        let paths = since(&store, before);
+        if !is_pg(&store) {
+            assert_eq!(
+                (paths.optimistic, paths.optimistic_abandoned, paths.locked),
+                (1, 1, 1),
+                "{paths:?}"
+            );
+        }
+        assert_eq!(store.head_seq(s).await.unwrap(), 5);
+        let after_feed = store.feed(0, 10_000).await.unwrap();
+        assert_eq!(after_feed.len(), before_feed.len());
+        store.clear_cache();
+        assert_eq!(store.head_seq(s).await.unwrap(), 5);
+
+        // The same batch without its bad event is taken whole, at the
+        // positions right after the log's end (none lost to the refusal).
+        let ok = store.append(s, 5, long_batch(0, 59)).await.unwrap();
+        let first = ok.events[0].position;
+        assert_eq!(first, last_position(&after_feed) + 1);
+        let positions: Vec<i64> = ok.events.iter().map(|a| a.position).collect();
+        assert_eq!(positions, (first..first + 59).collect::<Vec<_>>());
+        let mut head = ok.events.last().unwrap().seq;
+        // Warm and quiet again: the next long batch is optimistic.
+        let before = store.append_paths();
+        head = store
+            .append(s, head, long_batch(100, 40))
+            .await
+            .unwrap()
+            .events
+            .last()
+            .unwrap()
+            .seq;
+        let paths = since(&store, before);
+        assert_eq!(
+            (paths.optimistic, paths.optimistic_abandoned, paths.locked),
+            (1, 0, 0),
+            "{paths:?}"
+        );
+
+        // 2. Another instance appended: the check sent with the first rows
+        // finds the log moved, and the lock takes the batch whole.
+        other
+            .append_at_head(
+                elsewhere,
+                vec![prompt("meanwhile")],
+                &RetryPolicy::default(),
+            )
+            .await
+            .unwrap();
+        let before = store.append_paths();
+        let moved = store.append(s, head, long_batch(200, 40)).await.unwrap();
+        assert_eq!(moved.events[0].seq, head + 1);
+        head = moved.events.last().unwrap().seq;
+        let paths = since(&store, before);
+        if !is_pg(&store) {
+            assert_eq!(
+                (paths.optimistic, paths.optimistic_abandoned, paths.locked),
+                (1, 1, 1),
+                "{paths:?}"
+            );
+        }
+
+        let feed = store.feed(0, 10_000).await.unwrap();
+        let positions: Vec<i64> = feed.iter().map(|e| e.position).collect();
+        assert_eq!(positions, (1..=feed.len() as i64).collect::<Vec<_>>());
+        assert_eq!(store.head_seq(s).await.unwrap(), head);
+        agrees_with_the_log(&store, s).await;
+        store.close().await;
+        other.close().await;
+    }
+);

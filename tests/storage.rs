@@ -767,13 +767,32 @@ async fn sqlite_store_whose_file_is_removed_acknowledges_nothing_more() {
     let store = Store::open(&path.display().to_string()).await.unwrap();
     let s = Uuid::new_v4();
     store.append(s, 0, vec![started()]).await.unwrap();
+    // Warm and quiet: the next append is optimistic.
+    store.append(s, 1, vec![prompt("warm")]).await.unwrap();
     store.ready().await.unwrap();
     for suffix in ["", "-wal", "-shm"] {
         let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
     }
+    // A long batch, whose first rows the optimistic transaction would send
+    // ahead (docs/design.md, "Rows sent ahead"): the removal is said there,
+    // without a second try under the lock.
+    let before = store.append_paths();
+    let long: Vec<NewEvent> = (0..40).map(|i| prompt(&format!("long {i}"))).collect();
+    let err = store.append(s, 2, long).await.unwrap_err();
+    assert!(matches!(err, Error::Unavailable(_)), "{err:?}");
+    let paths = store.append_paths();
+    assert_eq!(
+        (
+            paths.optimistic - before.optimistic,
+            paths.optimistic_abandoned - before.optimistic_abandoned,
+            paths.locked - before.locked
+        ),
+        (1, 0, 0),
+        "{paths:?}"
+    );
     for i in 0..3 {
         let err = store
-            .append(s, 1, vec![prompt(&format!("after the removal {i}"))])
+            .append(s, 2, vec![prompt(&format!("after the removal {i}"))])
             .await
             .unwrap_err();
         assert!(matches!(err, Error::Unavailable(_)), "{err:?}");

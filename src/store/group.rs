@@ -368,6 +368,25 @@ async fn optimistic<T: OptimisticTx>(
                 advanced.insert(p.session_id);
                 outcomes.push((i, outcome));
             }
+            Err(_) if tx.has_ahead_failure() => {
+                // Rows sent ahead failed for the storage's reason (the
+                // transaction is rolled back, nothing is stored): said now,
+                // as a failed commit is, rather than waited out again
+                // under the lock.
+                let e = tx.ahead_failure().unwrap_or_else(|| {
+                    Error::Database("rows sent ahead were not written".to_owned())
+                });
+                for (session_id, warm) in local {
+                    if !advanced.contains(&session_id) {
+                        states.put(warm);
+                    }
+                }
+                let e = commit_failed(T::REMOTE_COMMIT, &e);
+                for p in group {
+                    let _ = p.reply.send(Err(again(&e)));
+                }
+                return None;
+            }
             Err(_) => {
                 // Judged again under the lock, which has the last word. The
                 // states no accepted append advanced are still true (a
@@ -443,6 +462,16 @@ pub(crate) trait OptimisticTx: LogTx {
     /// Judge `warm`'s session against its cached head, hash, view and
     /// owner (the commit checks the head).
     fn assume(&mut self, warm: &Warm);
+    /// Why rows sent ahead of the commit ([`LogTx::send_ahead`]) were not
+    /// written, when the storage failed rather than a check: nothing is
+    /// stored, and the group's callers are told.
+    fn ahead_failure(&mut self) -> Option<Error> {
+        None
+    }
+    /// Whether [`OptimisticTx::ahead_failure`] has one.
+    fn has_ahead_failure(&self) -> bool {
+        false
+    }
     /// Commits the group's writes in one round trip, checking what the
     /// judgement assumed; `Ok` has the base its positions were reserved
     /// from (PostgreSQL reserves them from 0 and moves them past its

@@ -42,6 +42,7 @@ pub use subscribe::{Subscription, Watch};
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::sync::Mutex;
+use std::task::Poll;
 
 use chrono::{DateTime, SubsecRound, Utc};
 use tracing::{debug, instrument};
@@ -375,6 +376,31 @@ pub(crate) trait LogTx: Send {
                 self.claim_session(w.session_id, tenant).await?;
             }
             self.notify(w.session_id, w.seq).await
+        }
+    }
+    /// At most how many judged rows this transaction takes ahead of their
+    /// batch's acceptance, to write them while the judgement goes on
+    /// (docs/design.md, "Rows sent ahead"); `None`: it takes only accepted
+    /// batches. Only a transaction that any refusal abandons whole may
+    /// (SQLite's optimistic one): rows of a batch refused later are then
+    /// undone with it. Its positions are reserved before the judgement.
+    fn rows_ahead(&self) -> Option<usize> {
+        None
+    }
+    /// Rows of accepted batches waiting in this transaction to be sent.
+    fn rows_waiting(&self) -> usize {
+        0
+    }
+    /// Sends the rows waiting in this transaction, then `rows` (the
+    /// leading judged rows of the batch being judged, none of them sent
+    /// before), to be written while the caller judges on. Only called
+    /// when [`LogTx::rows_ahead`] is `Some`.
+    fn send_ahead(&mut self, rows: &[PendingRow]) -> impl Future<Output = Result<()>> + Send {
+        let _ = rows;
+        async {
+            Err(Error::Database(
+                "this transaction takes no rows ahead of their batch".to_owned(),
+            ))
         }
     }
     /// Reserves `n` global positions; returns the first.
@@ -1985,7 +2011,22 @@ async fn judge_and_write<T: LogTx>(
     // Only the batch's last refresh point writes the view; the ones before
     // it need just their activation sets, for the changes.
     let last_refresh = events.iter().rposition(|e| e.body.is_refresh_point());
-    for (i, e) in events.iter().enumerate() {
+    // The stored view the first refresh point diffs against, read before
+    // the judgement so that the judgement itself makes no statement (and
+    // can run while rows sent ahead are written).
+    if last_refresh.is_some() && stored_view.is_none() {
+        stored_view = Some(tx.load_view(session_id).await?);
+    }
+    // A transaction that takes rows ahead of their batch's acceptance gets
+    // them while the rest of the batch is judged (docs/design.md, "Rows
+    // sent ahead"); their positions are reserved first.
+    let ahead = tx.rows_ahead();
+    let reserved = match ahead {
+        Some(_) => Some(tx.reserve_positions(events.len() as i64).await?),
+        None => None,
+    };
+    let mut judge = |i: usize, rows: &mut Vec<PendingRow>| -> Result<()> {
+        let e = &events[i];
         let payload = e.body.to_json_text();
         crate::validate::check_new_event(&state, e, payload.len(), options.max_event_bytes)
             .map_err(|err| err.at_index(i))?;
@@ -1993,8 +2034,9 @@ async fn judge_and_write<T: LogTx>(
             session_id,
             seq: head + 1 + i as i64,
             event_id: e.event_id.unwrap_or_else(Uuid::now_v7),
-            // Positions are reserved once the batch is accepted (below).
-            position: 0,
+            // Positions are reserved once the batch is accepted (below),
+            // or before the judgement when rows go ahead.
+            position: reserved.map_or(0, |first| first + i as i64),
             recorded_at: e.recorded_at.map(|t| t.trunc_subsecs(6)).unwrap_or(now),
             body: e.body.clone(),
         };
@@ -2038,28 +2080,66 @@ async fn judge_and_write<T: LogTx>(
                 };
                 let before = match previous_active.take() {
                     Some(a) => a,
-                    None => {
-                        if stored_view.is_none() {
-                            stored_view = Some(tx.load_view(session_id).await?);
-                        }
-                        match stored_view.as_ref().and_then(Option::as_ref) {
-                            Some(v) => v.to_view()?.active,
-                            None => Vec::new(),
-                        }
-                    }
+                    // Read before the judgement (above).
+                    None => match stored_view.as_ref().and_then(Option::as_ref) {
+                        Some(v) => v.to_view()?.active,
+                        None => Vec::new(),
+                    },
                 };
                 changes.extend(change_rows(&refresh, &before, &active));
                 previous_active = Some(active);
-                last_view = view.or(last_view);
+                if view.is_some() {
+                    last_view = view;
+                }
             }
             _ => {}
         }
         rows.push(row);
+        Ok(())
+    };
+    match ahead {
+        None => {
+            for i in 0..events.len() {
+                judge(i, &mut rows)?;
+            }
+        }
+        Some(step) => {
+            // Whenever `step` rows wait (this batch's judged ones, and the
+            // group's earlier batches'), they are sent, and the next
+            // `step` events judged while the database writes them.
+            let mut sent = 0;
+            let mut i = 0;
+            while i < events.len() {
+                let end = (i + step).min(events.len());
+                let mut fresh = Vec::with_capacity(end - i);
+                if rows.len() - sent + tx.rows_waiting() >= step {
+                    *wrote = true;
+                    let mut send = std::pin::pin!(tx.send_ahead(&rows[sent..]));
+                    // One poll hands the rows to the database's thread.
+                    let first =
+                        std::future::poll_fn(|cx| Poll::Ready(send.as_mut().poll(cx))).await;
+                    let judged = (i..end).try_for_each(|j| judge(j, &mut fresh));
+                    match first {
+                        Poll::Ready(written) => written?,
+                        Poll::Pending => send.await?,
+                    }
+                    judged?;
+                    sent = rows.len();
+                } else {
+                    (i..end).try_for_each(|j| judge(j, &mut fresh))?;
+                }
+                rows.extend(fresh);
+                i = end;
+            }
+        }
     }
     // Accepted: reserve positions (a rejected batch must not take any, or
     // the global order would have holes) and write.
     *wrote = true;
-    let first_position = tx.reserve_positions(events.len() as i64).await?;
+    let first_position = match reserved {
+        Some(first) => first,
+        None => tx.reserve_positions(events.len() as i64).await?,
+    };
     for (i, row) in rows.iter_mut().enumerate() {
         row.position = first_position + i as i64;
     }

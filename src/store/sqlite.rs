@@ -44,6 +44,10 @@ const INSERT_CHUNK: usize = 500;
 /// statements.
 const CACHED_ROWS: usize = INSERT_CHUNK;
 
+/// Rows an optimistic transaction sends ahead at a time, while the
+/// judgement goes on (docs/design.md, "Rows sent ahead").
+const AHEAD_ROWS: usize = 16;
+
 type Row = (i64, String, i64, String, String, String);
 
 /// A [`Row`] with its chain hash.
@@ -835,6 +839,15 @@ pub(crate) struct SqliteTx {
     /// The sessions an optimistic judgement assumed, with their heads,
     /// checked by the commit.
     assumed: Vec<(Uuid, i64)>,
+    /// Whether rows were sent ahead ([`LogTx::send_ahead`]): the `BEGIN
+    /// IMMEDIATE` and the check of the position and heads went first.
+    opened_ahead: bool,
+    /// How many leading rows of the batch being judged were sent ahead
+    /// (its `write_accepted` queues only the others).
+    batch_sent: usize,
+    /// Why rows sent ahead were not written, when the storage failed
+    /// (not a check): said to the group's callers.
+    ahead_failure: Option<Error>,
 }
 
 /// The writes of a write transaction's accepted batches that wait for its
@@ -887,10 +900,12 @@ impl Pending {
             && self.claims.is_empty()
     }
 
-    /// Takes an accepted batch's writes.
-    fn add(&mut self, w: &Accepted<'_>) {
+    /// Takes an accepted batch's writes, but for its first `sent` rows
+    /// (sent ahead).
+    fn add(&mut self, w: &Accepted<'_>, sent: usize) {
         let session = w.session_id.to_string();
-        self.rows.extend_from_slice(w.rows);
+        self.rows
+            .extend_from_slice(w.rows.get(sent..).unwrap_or_default());
         self.calls.extend(
             w.calls
                 .iter()
@@ -929,23 +944,7 @@ impl Pending {
 
     /// [`Pending::query`]'s statements, after what `q` holds.
     fn push_to(self, q: &mut QueryBuilder<'static, Sqlite>) {
-        let mut rows = self.rows.into_iter().peekable();
-        while rows.peek().is_some() {
-            q.push(
-                "INSERT INTO events (position, session_id, seq, event_id, type, payload, recorded_at, hash) ",
-            );
-            q.push_values(rows.by_ref().take(INSERT_CHUNK), |mut b, r| {
-                b.push_bind(r.position)
-                    .push_bind(r.session_id.to_string())
-                    .push_bind(r.seq)
-                    .push_bind(r.event_id.to_string())
-                    .push_bind(r.type_name)
-                    .push_bind(r.payload)
-                    .push_bind(sqlite_time(&r.recorded_at))
-                    .push_bind(r.hash);
-            });
-            q.push(";\n");
-        }
+        push_rows(q, self.rows);
         let views: Vec<serde_json::Value> = self
             .views
             .into_iter()
@@ -974,6 +973,27 @@ impl Pending {
             q.push_bind(args.next().unwrap_or_else(|| "[]".to_owned()));
             q.push(part);
         }
+    }
+}
+
+/// `INSERT`s of `rows` into `events`, after what `q` holds.
+fn push_rows(q: &mut QueryBuilder<'static, Sqlite>, rows: impl IntoIterator<Item = PendingRow>) {
+    let mut rows = rows.into_iter().peekable();
+    while rows.peek().is_some() {
+        q.push(
+            "INSERT INTO events (position, session_id, seq, event_id, type, payload, recorded_at, hash) ",
+        );
+        q.push_values(rows.by_ref().take(INSERT_CHUNK), |mut b, r| {
+            b.push_bind(r.position)
+                .push_bind(r.session_id.to_string())
+                .push_bind(r.seq)
+                .push_bind(r.event_id.to_string())
+                .push_bind(r.type_name)
+                .push_bind(r.payload)
+                .push_bind(sqlite_time(&r.recorded_at))
+                .push_bind(r.hash);
+        });
+        q.push(";\n");
     }
 }
 
@@ -1090,6 +1110,9 @@ impl SqliteTx {
             optimistic: false,
             absent_calls: Vec::new(),
             assumed: Vec::new(),
+            opened_ahead: false,
+            batch_sent: 0,
+            ahead_failure: None,
         }
     }
 
@@ -1186,24 +1209,94 @@ CREATE TEMP TRIGGER IF NOT EXISTS optimistic_check_row BEFORE INSERT ON optimist
 END;
 ";
 
-/// The check an optimistic commit runs first, under the write lock: the log
-/// still ends at the position the judgement assumed (nobody else wrote
-/// since this writer's last commit, so the positions it reserved are
-/// free); each session's head is still the seq it was judged against
-/// (`[session, seq]` pairs: another process may have appended to it before
-/// this writer's last commit, which then left the cache's state of that
-/// session stale); and no call id it took as absent is stored (`[session,
-/// call id]` pairs).
-const CHECK: &str = "\
-BEGIN IMMEDIATE;
-INSERT INTO temp.optimistic_check (ok) SELECT \
-  (SELECT COALESCE(MAX(position), 0) FROM events) = ? \
+/// What an optimistic transaction checks under the write lock, as a
+/// condition of the check's `INSERT`: the log still ends at the position
+/// the judgement assumed (nobody else wrote since this writer's last
+/// commit, so the positions it reserved are free), and each session's
+/// head is still the seq it was judged against (`[session, seq]` pairs:
+/// another process may have appended to it before this writer's last
+/// commit, which then left the cache's state of that session stale).
+/// Checked before any row is written.
+const CHECK_END_AND_HEADS: &str = "\
+(SELECT COALESCE(MAX(position), 0) FROM events) = ? \
   AND NOT EXISTS (SELECT 1 FROM json_each(?) h \
     WHERE COALESCE((SELECT seq FROM events WHERE session_id = h.value ->> 0 \
-                    ORDER BY seq DESC LIMIT 1), 0) IS NOT h.value ->> 1) \
-  AND NOT EXISTS (SELECT 1 FROM json_each(?) j JOIN calls c \
-    ON c.session_id = j.value ->> 0 AND c.call_id = j.value ->> 1);
-";
+                    ORDER BY seq DESC LIMIT 1), 0) IS NOT h.value ->> 1)";
+
+/// The other condition: no call id the judgement took as absent is stored
+/// (`[session, call id]` pairs). Checked before the calls index is
+/// written, with the commit: rows sent ahead are events rows only, and by
+/// then every judgement of the group has made its list.
+const CHECK_CALLS: &str = "\
+NOT EXISTS (SELECT 1 FROM json_each(?) j JOIN calls c \
+    ON c.session_id = j.value ->> 0 AND c.call_id = j.value ->> 1)";
+
+/// The opening of an optimistic transaction's first query: the check's
+/// setup where the connection lacks it, the `BEGIN IMMEDIATE`, and the
+/// values of [`CHECK_END_AND_HEADS`].
+struct Opening<'a> {
+    has_check: bool,
+    last: i64,
+    assumed: &'a [(Uuid, i64)],
+}
+
+/// The check's statements, after what `q` holds: with `opening`, the
+/// transaction's start and [`CHECK_END_AND_HEADS`]; with `absent` (a JSON
+/// array), [`CHECK_CALLS`]; both in one `INSERT` when both are given (a
+/// statement less for the commit that opens the transaction too).
+fn push_check(
+    q: &mut QueryBuilder<'static, Sqlite>,
+    opening: Option<Opening<'_>>,
+    absent: Option<String>,
+) {
+    let mut conditions: Vec<(&str, Vec<Bound>)> = Vec::new();
+    if let Some(o) = opening {
+        if !o.has_check {
+            q.push(CHECK_SETUP);
+        }
+        q.push("BEGIN IMMEDIATE;\n");
+        let heads: Vec<serde_json::Value> = o
+            .assumed
+            .iter()
+            .map(|(s, seq)| serde_json::json!([s.to_string(), seq]))
+            .collect();
+        conditions.push((
+            CHECK_END_AND_HEADS,
+            vec![
+                Bound::Int(o.last),
+                Bound::Text(serde_json::Value::Array(heads).to_string()),
+            ],
+        ));
+    }
+    if let Some(absent) = absent {
+        conditions.push((CHECK_CALLS, vec![Bound::Text(absent)]));
+    }
+    if conditions.is_empty() {
+        return;
+    }
+    q.push("INSERT INTO temp.optimistic_check (ok) SELECT ");
+    for (i, (condition, binds)) in conditions.into_iter().enumerate() {
+        if i > 0 {
+            q.push(" AND ");
+        }
+        let mut parts = condition.split('?');
+        q.push(parts.next().unwrap_or_default());
+        for (bind, part) in binds.into_iter().zip(parts) {
+            match bind {
+                Bound::Int(v) => q.push_bind(v),
+                Bound::Text(v) => q.push_bind(v),
+            };
+            q.push(part);
+        }
+    }
+    q.push(";\n");
+}
+
+/// A value bound into [`push_check`]'s statement.
+enum Bound {
+    Int(i64),
+    Text(String),
+}
 
 /// A JSON array of a row read ahead that is not what its statement builds.
 fn corrupt_json(e: serde_json::Error) -> Error {
@@ -1440,7 +1533,8 @@ impl LogTx for SqliteTx {
 
     async fn write_accepted(&mut self, w: Accepted<'_>) -> Result<()> {
         // Sent with the next statement or the COMMIT (`SqliteTx::conn`).
-        self.pending.add(&w);
+        let sent = std::mem::take(&mut self.batch_sent);
+        self.pending.add(&w, sent);
         self.accepted(&w);
         // SQLite has no notifications; subscribers poll.
         Ok(())
@@ -1485,6 +1579,64 @@ impl LogTx for SqliteTx {
             .bind(upto)
             .fetch(self.conn().await?);
         super::take_within(&mut rows, max_bytes, |r: &Row| r.4.len(), decode).await
+    }
+
+    fn rows_ahead(&self) -> Option<usize> {
+        self.optimistic.then_some(AHEAD_ROWS)
+    }
+
+    fn rows_waiting(&self) -> usize {
+        self.pending.rows.len()
+    }
+
+    /// Sends, in one query, the waiting rows and `rows`; the first sent
+    /// opens the transaction with the check of the position and heads the
+    /// judgement assumed. On any failure the transaction is rolled back
+    /// (the group is judged again under the lock, or told the storage's
+    /// failure: [`ahead_failure`](SqliteTx::ahead_failure)).
+    async fn send_ahead(&mut self, rows: &[PendingRow]) -> Result<()> {
+        let waiting = std::mem::take(&mut self.pending.rows);
+        self.batch_sent += rows.len();
+        let TxConn::Write(w) = &mut self.conn else {
+            return Err(optimistic_miss());
+        };
+        let Some(last) = w.last_committed.filter(|_| self.optimistic) else {
+            return Err(optimistic_miss());
+        };
+        if let Some(Err(e)) = w.file.as_ref().map(StoreFile::check) {
+            self.ahead_failure = Some(e);
+            return Err(optimistic_miss());
+        }
+        let mut q = QueryBuilder::<Sqlite>::new("");
+        if !self.opened_ahead {
+            let opening = Opening {
+                has_check: w.has_check,
+                last,
+                assumed: &self.assumed,
+            };
+            push_check(&mut q, Some(opening), None);
+        }
+        let count = waiting.len() + rows.len();
+        push_rows(&mut q, waiting.into_iter().chain(rows.iter().cloned()));
+        // Marked first: if this is cancelled half-way, the rollback runs.
+        w.in_tx = true;
+        self.opened_ahead = true;
+        let sent = q
+            .build()
+            .persistent(count <= CACHED_ROWS)
+            .execute(w.conn()?)
+            .await;
+        if let Err(e) = sent {
+            w.rollback().await;
+            w.quiet = false;
+            // As in `commit_optimistic`: a check or a stored event id is
+            // judged again under the lock; the storage's failure is said.
+            if crate::error::sqlite_primary_code(&e) != Some(19) {
+                self.ahead_failure = Some(Error::from_sqlx(e));
+            }
+            return Err(optimistic_miss());
+        }
+        Ok(())
     }
 
     async fn reserve_positions(&mut self, _n: i64) -> Result<i64> {
@@ -1894,6 +2046,14 @@ impl LogTx for SqliteTx {
 impl super::group::OptimisticTx for SqliteTx {
     const REMOTE_COMMIT: bool = false;
 
+    fn ahead_failure(&mut self) -> Option<Error> {
+        self.ahead_failure.take()
+    }
+
+    fn has_ahead_failure(&self) -> bool {
+        self.ahead_failure.is_some()
+    }
+
     /// Makes an optimistic transaction judge `warm`'s session against its
     /// cached head, hash, view and owner.
     fn assume(&mut self, warm: &super::Warm) {
@@ -1929,15 +2089,11 @@ impl super::group::OptimisticTx for SqliteTx {
             .iter()
             .map(|(s, c)| serde_json::json!([s.to_string(), c]))
             .collect();
-        let heads: Vec<serde_json::Value> = self
-            .assumed
-            .iter()
-            .map(|(s, seq)| serde_json::json!([s.to_string(), seq]))
-            .collect();
         let TxConn::Write(w) = &mut self.conn else {
             return Err(refused("not a write transaction".to_owned()));
         };
-        let (Some(assumed), false) = (w.last_committed, pending.is_empty()) else {
+        let nothing = pending.is_empty() && !self.opened_ahead;
+        let (Some(assumed), false) = (w.last_committed, nothing) else {
             return Err(refused(
                 "nothing to commit, or no position known".to_owned(),
             ));
@@ -1947,15 +2103,17 @@ impl super::group::OptimisticTx for SqliteTx {
             return Err(OptimisticMiss::Failed(e));
         }
         let persistent = pending.rows.len() <= CACHED_ROWS;
-        let mut q = QueryBuilder::<Sqlite>::new(if w.has_check { "" } else { CHECK_SETUP });
-        let mut parts = CHECK.split('?');
-        q.push(parts.next().unwrap_or_default());
-        q.push_bind(assumed);
-        q.push(parts.next().unwrap_or_default());
-        q.push_bind(serde_json::Value::Array(heads).to_string());
-        q.push(parts.next().unwrap_or_default());
-        q.push_bind(serde_json::Value::Array(absent).to_string());
-        q.push(parts.next().unwrap_or_default());
+        let mut q = QueryBuilder::<Sqlite>::new("");
+        let opening = (!self.opened_ahead).then_some(Opening {
+            has_check: w.has_check,
+            last: assumed,
+            assumed: &self.assumed,
+        });
+        push_check(
+            &mut q,
+            opening,
+            Some(serde_json::Value::Array(absent).to_string()),
+        );
         pending.push_to(&mut q);
         q.push("COMMIT;");
         // Marked first: if this is cancelled half-way, the rollback runs.
