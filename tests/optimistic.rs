@@ -70,6 +70,7 @@ fn since(store: &Store, before: AppendPaths) -> AppendPaths {
         locked: now.locked - before.locked,
         optimistic: now.optimistic - before.optimistic,
         optimistic_abandoned: now.optimistic_abandoned - before.optimistic_abandoned,
+        sends_ahead: now.sends_ahead - before.sends_ahead,
     }
 }
 
@@ -775,12 +776,17 @@ both_backends!(
             other => panic!("the batch's last event has no call: {other:?}"),
         }
         let paths = since(&store, before);
-        if !is_pg(&store) {
+        if is_pg(&store) {
+            assert_eq!(paths.sends_ahead, 0, "{paths:?}");
+        } else {
+            // Rows 0-15, 16-31 and 32-47 were sent while the next 16 (the
+            // last 12) were judged; the refusal then undid them.
             assert_eq!(
                 (paths.optimistic, paths.optimistic_abandoned, paths.locked),
                 (1, 1, 1),
                 "{paths:?}"
             );
+            assert_eq!(paths.sends_ahead, 3, "{paths:?}");
         }
         assert_eq!(store.head_seq(s).await.unwrap(), 5);
         let after_feed = store.feed(0, 10_000).await.unwrap();
@@ -812,6 +818,7 @@ both_backends!(
             (1, 0, 0),
             "{paths:?}"
         );
+        assert_eq!(paths.sends_ahead, if is_pg(&store) { 0 } else { 2 });
 
         // 2. Another instance appended: the check sent with the first rows
         // finds the log moved, and the lock takes the batch whole.
@@ -829,9 +836,15 @@ both_backends!(
         head = moved.events.last().unwrap().seq;
         let paths = since(&store, before);
         if !is_pg(&store) {
+            // One send: the first 16 rows, behind the check that failed.
             assert_eq!(
-                (paths.optimistic, paths.optimistic_abandoned, paths.locked),
-                (1, 1, 1),
+                (
+                    paths.optimistic,
+                    paths.optimistic_abandoned,
+                    paths.locked,
+                    paths.sends_ahead
+                ),
+                (1, 1, 1, 1),
                 "{paths:?}"
             );
         }

@@ -785,9 +785,10 @@ async fn sqlite_store_whose_file_is_removed_acknowledges_nothing_more() {
         (
             paths.optimistic - before.optimistic,
             paths.optimistic_abandoned - before.optimistic_abandoned,
-            paths.locked - before.locked
+            paths.locked - before.locked,
+            paths.sends_ahead - before.sends_ahead
         ),
-        (1, 0, 0),
+        (1, 0, 0, 1),
         "{paths:?}"
     );
     for i in 0..3 {

@@ -26,6 +26,8 @@
 //! check, the expected seq and validation run against the log as the
 //! group's earlier appends left it, and nothing is written until the batch
 //! is accepted, so a rejected append leaves no trace and the others go on.
+//! (An optimistic SQLite group sends rows ahead of their acceptance, but
+//! any refusal there sends the whole group, rolled back, to the lock.)
 //! Only a failure of the database itself while writing (or the commit)
 //! fails the whole group, which rolls back; each of its appends gets the
 //! error, and none of them was stored.
@@ -49,6 +51,7 @@ pub(crate) struct PathCounters {
     locked: AtomicU64,
     optimistic: AtomicU64,
     abandoned: AtomicU64,
+    sends_ahead: AtomicU64,
 }
 
 impl PathCounters {
@@ -57,6 +60,7 @@ impl PathCounters {
             locked: self.locked.load(Ordering::Relaxed),
             optimistic: self.optimistic.load(Ordering::Relaxed),
             optimistic_abandoned: self.abandoned.load(Ordering::Relaxed),
+            sends_ahead: self.sends_ahead.load(Ordering::Relaxed),
         }
     }
 }
@@ -309,7 +313,9 @@ async fn run<T: LogTx>(
 /// past the counter; on SQLite one query that takes the write lock, checks
 /// that the log still ends where this writer's last commit left it, that
 /// every session's head is still the one judged against and that no call
-/// id taken as new is stored, then writes and commits.
+/// id taken as new is stored, then writes and commits (with long batches,
+/// the lock, that check of the heads and rows go ahead in queries of their
+/// own while the rest is judged: docs/design.md, "Rows sent ahead").
 ///
 /// Returns the group untouched (no reply sent) when it must be judged
 /// under the lock instead: a session not known, a read the cache cannot
@@ -363,6 +369,11 @@ async fn optimistic<T: OptimisticTx>(
         if let Some(warm) = cached {
             local.insert(p.session_id, warm);
         }
+        if result.is_err() {
+            paths
+                .sends_ahead
+                .fetch_add(tx.sends_ahead(), Ordering::Relaxed);
+        }
         match result {
             Ok(outcome) => {
                 advanced.insert(p.session_id);
@@ -402,6 +413,9 @@ async fn optimistic<T: OptimisticTx>(
             }
         }
     }
+    paths
+        .sends_ahead
+        .fetch_add(tx.sends_ahead(), Ordering::Relaxed);
     if outcomes.is_empty() {
         // Every caller gave up before its append was tried.
         local.into_values().for_each(|w| states.put(w));
@@ -467,6 +481,10 @@ pub(crate) trait OptimisticTx: LogTx {
     /// stored, and the group's callers are told.
     fn ahead_failure(&mut self) -> Option<Error> {
         None
+    }
+    /// How many times rows were sent ahead in this transaction.
+    fn sends_ahead(&self) -> u64 {
+        0
     }
     /// Whether [`OptimisticTx::ahead_failure`] has one.
     fn has_ahead_failure(&self) -> bool {

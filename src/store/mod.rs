@@ -115,6 +115,10 @@ pub struct AppendPaths {
     /// appended) or that a judgement could not finish from the cache; each
     /// was then judged again under the lock, and counts there too.
     pub optimistic_abandoned: u64,
+    /// Queries of rows that optimistic groups sent ahead of their commit,
+    /// while judging the rest (SQLite only; docs/design.md, "Rows sent
+    /// ahead").
+    pub sends_ahead: u64,
 }
 
 /// Store settings beyond the URL.
@@ -1844,7 +1848,9 @@ fn check_batch_ids(events: &[NewEvent]) -> Result<()> {
 /// Judges one batch and, if it is accepted, writes it into the open write
 /// transaction `tx` (the caller commits; see `group`). Nothing is written
 /// until the whole batch is accepted, so a rejected batch leaves `tx` as it
-/// was and the group's other appends go on.
+/// was and the group's other appends go on; except in a transaction that
+/// takes rows ahead ([`LogTx::rows_ahead`]), which any refusal abandons
+/// whole.
 pub(crate) async fn append_in<T: LogTx>(
     tx: &mut T,
     cached: &mut Option<Warm>,

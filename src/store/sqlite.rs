@@ -604,7 +604,8 @@ impl SqliteBackend {
     }
 
     /// The writer, for an optimistic group (docs/design.md, "Optimistic
-    /// appends"): nothing is sent until [`SqliteTx::commit_optimistic`],
+    /// appends"): nothing is sent until [`SqliteTx::commit_optimistic`]
+    /// (or rows sent ahead, [`LogTx::send_ahead`]),
     /// and reads are answered from what [`SqliteTx::assume`] was given.
     /// `None` when this writer does not know where the log ended at its
     /// last commit (then the group is judged under the lock).
@@ -831,7 +832,8 @@ pub(crate) struct SqliteTx {
     /// What `prefetch` read for a group.
     memo: Memo,
     /// An optimistic group's transaction: no statement is sent before its
-    /// commit, which checks what the judgement assumed.
+    /// commit, which checks what the judgement assumed, but for rows sent
+    /// ahead ([`LogTx::send_ahead`]), behind the check of the heads.
     optimistic: bool,
     /// Calls index keys the optimistic judgement took as absent (the
     /// cache forgets calls outside a window), checked by the commit.
@@ -848,6 +850,8 @@ pub(crate) struct SqliteTx {
     /// Why rows sent ahead were not written, when the storage failed
     /// (not a check): said to the group's callers.
     ahead_failure: Option<Error>,
+    /// How many times rows were sent ahead (tried).
+    sends_ahead: u64,
 }
 
 /// The writes of a write transaction's accepted batches that wait for its
@@ -1113,6 +1117,7 @@ impl SqliteTx {
             opened_ahead: false,
             batch_sent: 0,
             ahead_failure: None,
+            sends_ahead: 0,
         }
     }
 
@@ -1595,6 +1600,7 @@ impl LogTx for SqliteTx {
     /// (the group is judged again under the lock, or told the storage's
     /// failure: [`ahead_failure`](SqliteTx::ahead_failure)).
     async fn send_ahead(&mut self, rows: &[PendingRow]) -> Result<()> {
+        self.sends_ahead += 1;
         let waiting = std::mem::take(&mut self.pending.rows);
         self.batch_sent += rows.len();
         let TxConn::Write(w) = &mut self.conn else {
@@ -2054,6 +2060,10 @@ impl super::group::OptimisticTx for SqliteTx {
         self.ahead_failure.is_some()
     }
 
+    fn sends_ahead(&self) -> u64 {
+        self.sends_ahead
+    }
+
     /// Makes an optimistic transaction judge `warm`'s session against its
     /// cached head, hash, view and owner.
     fn assume(&mut self, warm: &super::Warm) {
@@ -2077,7 +2087,8 @@ impl super::group::OptimisticTx for SqliteTx {
 
     /// Sends an optimistic transaction in one query: the `BEGIN
     /// IMMEDIATE`, the check of what the judgement assumed, the writes and
-    /// the `COMMIT`. Any failure rolls it back whole. A failed check or an
+    /// the `COMMIT` (after rows sent ahead: the check of call ids taken as
+    /// absent, the rest of the writes and the `COMMIT`). Any failure rolls it back whole. A failed check or an
     /// event id already stored (`Rejected`): the group is judged again
     /// under the lock, which reads what it needs. Any other failure
     /// (`Failed`): the storage's, said to the group's callers.
