@@ -429,24 +429,7 @@ both_backends!(
 both_backends!(
     a_group_of_more_rows_than_one_insert_takes_is_stored_whole_and_in_order,
     |url: String| async move {
-        let options = StoreOptions {
-            // The slot is held this long after each commit, so the appends
-            // sent meanwhile make one group.
-            fault_pause_after_commit: Some(Duration::from_millis(300)),
-            ..StoreOptions::default()
-        };
-        let store = Arc::new(Store::open_with(&url, options).await.unwrap());
-        let sessions: Vec<Uuid> = (0..4).map(|_| Uuid::new_v4()).collect();
-        for s in &sessions {
-            store.append(*s, 0, vec![started()]).await.unwrap();
-            store.append(*s, 1, vec![prompt("warm")]).await.unwrap();
-        }
-        let holder = {
-            let store = store.clone();
-            let s = sessions[0];
-            tokio::spawn(async move { store.append(s, 2, vec![prompt("hold")]).await })
-        };
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (store, sessions, holder) = four_warm_sessions_behind_a_held_slot(&url).await;
         let mut tasks = Vec::new();
         for (i, s) in sessions.iter().copied().enumerate() {
             let store = store.clone();
@@ -487,22 +470,7 @@ both_backends!(
 both_backends!(
     a_refused_long_batch_of_an_optimistic_group_leaves_nothing_behind,
     |url: String| async move {
-        let options = StoreOptions {
-            fault_pause_after_commit: Some(Duration::from_millis(300)),
-            ..StoreOptions::default()
-        };
-        let store = Arc::new(Store::open_with(&url, options).await.unwrap());
-        let sessions: Vec<Uuid> = (0..4).map(|_| Uuid::new_v4()).collect();
-        for s in &sessions {
-            store.append(*s, 0, vec![started()]).await.unwrap();
-            store.append(*s, 1, vec![prompt("warm")]).await.unwrap();
-        }
-        let holder = {
-            let store = store.clone();
-            let s = sessions[0];
-            tokio::spawn(async move { store.append(s, 2, vec![prompt("hold")]).await })
-        };
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (store, sessions, holder) = four_warm_sessions_behind_a_held_slot(&url).await;
         let mut tasks = Vec::new();
         for (i, s) in sessions.iter().copied().enumerate() {
             let store = store.clone();
@@ -547,3 +515,35 @@ both_backends!(
         assert_eq!(paths.sends_ahead > 0, sqlite, "{paths:?}");
     }
 );
+
+/// A store whose writer slot is held 300 ms after each commit, four warm
+/// sessions (two events each, so their next groups are optimistic), and a
+/// held append to the first (seq 3) in flight: appends sent now make one
+/// group.
+async fn four_warm_sessions_behind_a_held_slot(
+    url: &str,
+) -> (
+    Arc<Store>,
+    Vec<Uuid>,
+    tokio::task::JoinHandle<Result<session_store::AppendOutcome, Error>>,
+) {
+    let options = StoreOptions {
+        // The slot is held this long after each commit, so the appends
+        // sent meanwhile make one group.
+        fault_pause_after_commit: Some(Duration::from_millis(300)),
+        ..StoreOptions::default()
+    };
+    let store = Arc::new(Store::open_with(url, options).await.unwrap());
+    let sessions: Vec<Uuid> = (0..4).map(|_| Uuid::new_v4()).collect();
+    for s in &sessions {
+        store.append(*s, 0, vec![started()]).await.unwrap();
+        store.append(*s, 1, vec![prompt("warm")]).await.unwrap();
+    }
+    let holder = {
+        let store = store.clone();
+        let s = sessions[0];
+        tokio::spawn(async move { store.append(s, 2, vec![prompt("hold")]).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    (store, sessions, holder)
+}
