@@ -386,6 +386,29 @@ both_backends!(every_documented_status, |url: String| async move {
     let (s, v, _) = call(&app, Method::DELETE, &uri, None, None, Body::empty()).await;
     assert_error(s, &v, StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed");
 
+    // A long batch of a warm session, appended through the library: on
+    // SQLite its first rows go ahead of the commit, which /metrics counts.
+    let warm = Uuid::new_v4();
+    let prompts = |n: usize| -> Vec<session_store::NewEvent> {
+        (0..n)
+            .map(|i| {
+                session_store::NewEvent::new(session_store::EventBody::PromptSubmitted {
+                    text: format!("prompt {i}"),
+                })
+            })
+            .collect()
+    };
+    let mut start = vec![session_store::NewEvent::new(
+        session_store::EventBody::SessionStarted {
+            mode: "agent".into(),
+            metadata: None,
+        },
+    )];
+    start.extend(prompts(1));
+    store.append(warm, 0, start).await.unwrap();
+    store.append(warm, 2, prompts(1)).await.unwrap();
+    store.append(warm, 3, prompts(40)).await.unwrap();
+
     // Health, readiness, metrics, the OpenAPI document.
     assert_eq!(get(&app, "/healthz", None).await.0, StatusCode::OK);
     let (s, v) = get(&app, "/readyz", None).await;
@@ -415,6 +438,16 @@ both_backends!(every_documented_status, |url: String| async move {
         assert!(text.contains(&line), "{line} in {text}");
     }
     assert!(paths.locked >= 1, "{paths:?}");
+    assert_eq!(
+        paths.sends_ahead > 0,
+        store.kind() == session_store::BackendKind::Sqlite,
+        "{paths:?}"
+    );
+    let line = format!(
+        "session_store_append_sends_ahead_total {}\n",
+        paths.sends_ahead
+    );
+    assert!(text.contains(&line), "{line} in {text}");
     // The state caches, as the store weighs them at the scrape (nothing
     // was appended or read since).
     let (rows, rowless) = store.state_cache_usage();

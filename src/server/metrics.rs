@@ -70,6 +70,9 @@ pub struct Metrics {
     /// Groups of appends by how they were committed, brought up to the
     /// store's counts at each scrape (`observe_paths`).
     pub append_groups: Family<PathLabel, Counter>,
+    /// Queries of rows optimistic SQLite groups sent ahead of their
+    /// commit, brought up to the store's count at each scrape.
+    pub append_sends_ahead: Counter,
     /// Cached session states by cache, set at each scrape.
     pub state_cache_sessions: Family<CacheLabel, Gauge<i64, AtomicI64>>,
     /// About how many bytes they hold: with
@@ -99,6 +102,7 @@ impl Metrics {
         let subscription_lag_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 16));
         let streams = Gauge::<i64, AtomicI64>::default();
         let append_groups = Family::<PathLabel, Counter>::default();
+        let append_sends_ahead = Counter::default();
         registry.register("appends", "Append requests by outcome", appends.clone());
         registry.register(
             "appended_events",
@@ -136,6 +140,11 @@ impl Metrics {
             "Groups of appends judged, one transaction each, whatever became of their appends, by path: locked (judged under the write lock), optimistic (one round trip; on SQLite only while no other process writes between this one's groups), optimistic_abandoned (sent back to the lock: another instance wrote, or a refusal)",
             append_groups.clone(),
         );
+        registry.register(
+            "append_sends_ahead",
+            "Queries of rows that optimistic SQLite groups sent ahead of their commit, written while the rest of the group was judged (docs/design.md, Rows sent ahead); 0 on PostgreSQL",
+            append_sends_ahead.clone(),
+        );
         let state_cache_sessions = Family::<CacheLabel, Gauge<i64, AtomicI64>>::default();
         let state_cache_bytes = Family::<CacheLabel, Gauge<i64, AtomicI64>>::default();
         let state_cache_evictions = Family::<CacheLabel, Counter>::default();
@@ -165,6 +174,7 @@ impl Metrics {
             subscription_lag_seconds,
             streams,
             append_groups,
+            append_sends_ahead,
             state_cache_sessions,
             state_cache_bytes,
             state_cache_evictions,
@@ -172,7 +182,8 @@ impl Metrics {
         }
     }
 
-    /// Brings `append_groups` up to the store's counts (they only grow).
+    /// Brings `append_groups` and `append_sends_ahead` up to the store's
+    /// counts (they only grow).
     /// Many optimistic groups abandoned means instances keep writing the
     /// same sessions (docs/design.md, "Optimistic appends").
     pub fn observe_paths(&self, paths: crate::store::AppendPaths) {
@@ -189,6 +200,7 @@ impl Metrics {
             });
             catch_up(&counter, count);
         }
+        catch_up(&self.append_sends_ahead, paths.sends_ahead);
     }
 
     /// Sets the state cache figures to what the store's caches hold.
