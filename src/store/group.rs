@@ -369,46 +369,36 @@ async fn optimistic<T: OptimisticTx>(
         if let Some(warm) = cached {
             local.insert(p.session_id, warm);
         }
-        if result.is_err() {
-            paths
-                .sends_ahead
-                .fetch_add(tx.sends_ahead(), Ordering::Relaxed);
-        }
         match result {
             Ok(outcome) => {
                 advanced.insert(p.session_id);
                 outcomes.push((i, outcome));
             }
-            Err(_) if tx.has_ahead_failure() => {
-                // Rows sent ahead failed for the storage's reason (the
-                // transaction is rolled back, nothing is stored): said now,
-                // as a failed commit is, rather than waited out again
-                // under the lock.
-                let e = tx.ahead_failure().unwrap_or_else(|| {
-                    Error::Database("rows sent ahead were not written".to_owned())
-                });
+            Err(_) => {
+                paths
+                    .sends_ahead
+                    .fetch_add(tx.sends_ahead(), Ordering::Relaxed);
+                // The states no accepted append advanced are still true (a
+                // refused batch leaves its state untouched or takes it).
                 for (session_id, warm) in local {
                     if !advanced.contains(&session_id) {
                         states.put(warm);
                     }
                 }
-                let e = commit_failed(T::REMOTE_COMMIT, &e);
-                for p in group {
-                    let _ = p.reply.send(Err(again(&e)));
+                if let Some(e) = tx.ahead_failure() {
+                    // Rows sent ahead failed for the storage's reason (the
+                    // transaction is rolled back, nothing is stored): said
+                    // now, as a failed commit is, rather than waited out
+                    // again under the lock.
+                    let e = commit_failed(T::REMOTE_COMMIT, &e);
+                    for p in group {
+                        let _ = p.reply.send(Err(again(&e)));
+                    }
+                    return None;
                 }
-                return None;
-            }
-            Err(_) => {
-                // Judged again under the lock, which has the last word. The
-                // states no accepted append advanced are still true (a
-                // refused batch leaves its state untouched or takes it).
+                // Judged again under the lock, which has the last word.
                 tracing::debug!(session = %p.session_id, "optimistic append left to the locked path");
                 paths.abandoned.fetch_add(1, Ordering::Relaxed);
-                for (session_id, warm) in local {
-                    if !advanced.contains(&session_id) {
-                        states.put(warm);
-                    }
-                }
                 return Some(group);
             }
         }
@@ -485,10 +475,6 @@ pub(crate) trait OptimisticTx: LogTx {
     /// How many times rows were sent ahead in this transaction.
     fn sends_ahead(&self) -> u64 {
         0
-    }
-    /// Whether [`OptimisticTx::ahead_failure`] has one.
-    fn has_ahead_failure(&self) -> bool {
-        false
     }
     /// Commits the group's writes in one round trip, checking what the
     /// judgement assumed; `Ok` has the base its positions were reserved

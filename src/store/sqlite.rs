@@ -2056,10 +2056,6 @@ impl super::group::OptimisticTx for SqliteTx {
         self.ahead_failure.take()
     }
 
-    fn has_ahead_failure(&self) -> bool {
-        self.ahead_failure.is_some()
-    }
-
     fn sends_ahead(&self) -> u64 {
         self.sends_ahead
     }
