@@ -1128,3 +1128,83 @@ async fn postgres_an_optimistic_append_whose_commit_is_held_is_cut_off() {
     }
     assert_eq!(log.len(), 3, "{log:?}");
 }
+
+/// An instance that waits for another one's migration (the store's
+/// migration lock held elsewhere, here by the test's own connection) asks
+/// for the lock every 200 ms; a server that stops answering meanwhile is
+/// said within `--read-timeout`, exit 4, as for any read, instead of being
+/// waited on until the kernel gives up on the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_waiting_for_another_instances_migration_is_bounded_by_the_read_timeout() {
+    use sqlx::Connection;
+    use std::io::Read;
+    let Some(server) = own_server() else { return };
+    // A new database: every migration is pending, so the opening waits
+    // for the lock. The key is the store's (`MIGRATION_LOCK`,
+    // src/store/postgres.rs).
+    let mut holder = sqlx::PgConnection::connect(&server.url()).await.unwrap();
+    let held: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+        .bind(0x5353_4d49_4752_4154_i64)
+        .fetch_one(&mut holder)
+        .await
+        .unwrap();
+    assert!(held);
+    let mut migrate = std::process::Command::new(env!("CARGO_BIN_EXE_session-store"))
+        .args([
+            "--database",
+            &server.url(),
+            "--read-timeout",
+            "2",
+            "migrate",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Polling for the lock (it never gets it while the test holds it).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        migrate.try_wait().unwrap().is_none(),
+        "migrate did not wait"
+    );
+    let resume = stop(&server);
+    let stopped = Instant::now();
+    let mut code = None;
+    while stopped.elapsed() < Duration::from_secs(20) {
+        if let Some(status) = migrate.try_wait().unwrap() {
+            code = status.code();
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let took = stopped.elapsed();
+    drop(resume);
+    if code.is_none() {
+        let _ = migrate.kill();
+        let _ = migrate.wait();
+    }
+    let mut said = String::new();
+    migrate
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut said)
+        .unwrap();
+    assert_eq!(code, Some(4), "after {took:?}: {said}");
+    assert!(
+        said.contains("PostgreSQL did not answer within 2 s"),
+        "{said}"
+    );
+    assert!(took < Duration::from_secs(6), "said after {took:?}: {said}");
+    // Released, the migration goes through.
+    drop(holder);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_session-store"))
+        .args(["--database", &server.url(), "migrate"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

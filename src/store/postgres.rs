@@ -137,14 +137,19 @@ const SESSION_SETTINGS: [(&str, &str); 6] = [
 /// never uses. Dropped and built again, both `CONCURRENTLY` (each its own
 /// statement, outside a transaction), so that other instances go on
 /// reading and appending, as during the first build.
-async fn repair_cut_off_builds(conn: &mut sqlx::PgConnection) -> Result<()> {
+async fn repair_cut_off_builds(
+    conn: &mut sqlx::PgConnection,
+    deadline: Option<Duration>,
+) -> Result<()> {
     use sqlx::Executor;
-    let invalid: Option<bool> = sqlx::query_scalar(
-        "SELECT NOT indisvalid FROM pg_index WHERE indexrelid = to_regclass('events_sparse_types')",
+    let invalid: Option<bool> = trip(
+        deadline,
+        sqlx::query_scalar(
+            "SELECT NOT indisvalid FROM pg_index WHERE indexrelid = to_regclass('events_sparse_types')",
+        )
+        .fetch_optional(&mut *conn),
     )
-    .fetch_optional(&mut *conn)
-    .await
-    .map_err(Error::from_sqlx)?;
+    .await?;
     if invalid != Some(true) {
         return Ok(());
     }
@@ -388,10 +393,14 @@ impl PgBackend {
             .map_err(Error::from_sqlx)?
             .detach();
         let result = async {
-            sqlx::query("SET statement_timeout = 0")
-                .execute(&mut conn)
-                .await
-                .map_err(Error::from_sqlx)?;
+            // The round trips before the migrator's are bounded as reads
+            // are: a server that stops answering while this instance waits
+            // for another one's migration is said, not waited on.
+            trip(
+                self.read_deadline,
+                sqlx::query("SET statement_timeout = 0").execute(&mut conn),
+            )
+            .await?;
             // One instance migrates at a time. The migrator's own lock is
             // a blocking `pg_advisory_lock`, and an instance blocked in it
             // is a statement in progress, which `CREATE INDEX
@@ -401,11 +410,13 @@ impl PgBackend {
             // only its holder goes on to the migrator's (then free).
             let started = std::time::Instant::now();
             let mut said = started;
-            while !sqlx::query_scalar::<_, bool>("SELECT pg_try_advisory_lock($1)")
-                .bind(MIGRATION_LOCK)
-                .fetch_one(&mut conn)
-                .await
-                .map_err(Error::from_sqlx)?
+            while !trip(
+                self.read_deadline,
+                sqlx::query_scalar::<_, bool>("SELECT pg_try_advisory_lock($1)")
+                    .bind(MIGRATION_LOCK)
+                    .fetch_one(&mut conn),
+            )
+            .await?
             {
                 if started.elapsed() >= self.migration_lock_wait {
                     return Err(Error::Unavailable(format!(
@@ -420,7 +431,7 @@ impl PgBackend {
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
-            repair_cut_off_builds(&mut conn).await?;
+            repair_cut_off_builds(&mut conn, self.read_deadline).await?;
             MIGRATOR
                 .run_direct(&mut conn)
                 .await
@@ -428,8 +439,9 @@ impl PgBackend {
         }
         .await;
         // Its settings are not the store's: closed, not returned (which
-        // also releases the lock).
-        let _ = conn.close().await;
+        // also releases the lock). A server that stopped answering is not
+        // waited for.
+        let _ = tokio::time::timeout(Duration::from_secs(1), conn.close()).await;
         result
     }
 
