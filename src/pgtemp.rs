@@ -30,6 +30,15 @@ pub struct PgTempOptions {
     pub fsync: bool,
     /// `max_connections`.
     pub max_connections: u32,
+    /// `initdb --wal-segsize` (MiB; `None`: the server's 16). Small
+    /// segments let [`PgTempOptions::file_size_limit_kib`] be small.
+    pub wal_segment_mib: Option<u32>,
+    /// The largest file the server may write, in KiB (`ulimit -f`, set at
+    /// each [`PgServer::launch`]; `None`: no limit): a full disk for one
+    /// table at a time. PostgreSQL ignores `SIGXFSZ`, so a write past the
+    /// limit fails (`EFBIG`) and the statement that extends a table with it
+    /// fails. It must leave room for whole WAL segments.
+    pub file_size_limit_kib: Option<u64>,
 }
 
 impl Default for PgTempOptions {
@@ -38,6 +47,8 @@ impl Default for PgTempOptions {
         PgTempOptions {
             fsync: true,
             max_connections: 200,
+            wal_segment_mib: None,
+            file_size_limit_kib: None,
         }
     }
 }
@@ -74,13 +85,34 @@ fn is_root() -> bool {
 /// A command running one of the server's programs, as the `postgres` user
 /// when we are root.
 pub fn pg_command(bin: &Path, program: &str) -> Command {
+    limited_pg_command(bin, program, None)
+}
+
+/// [`pg_command`], run under a limit of `limit_kib` KiB on the size of any
+/// file it (and every process it starts) writes, when given.
+fn limited_pg_command(bin: &Path, program: &str, limit_kib: Option<u64>) -> Command {
+    let mut argv: Vec<std::ffi::OsString> = Vec::new();
     if is_root() {
-        let mut c = Command::new("runuser");
-        c.args(["-u", "postgres", "--"]).arg(bin.join(program));
-        c
-    } else {
-        Command::new(bin.join(program))
+        argv.extend(["runuser", "-u", "postgres", "--"].map(Into::into));
     }
+    argv.push(bin.join(program).into());
+    let mut c = match limit_kib {
+        Some(kib) => {
+            // bash counts `ulimit -f` in KiB (a POSIX sh in 512 bytes).
+            let mut c = Command::new("bash");
+            c.args(["-c", r#"ulimit -f "$1" && shift && exec "$@""#, "bash"])
+                .arg(kib.to_string());
+            c.args(&argv);
+            c
+        }
+        None => {
+            let mut c = Command::new(&argv[0]);
+            c.args(&argv[1..]);
+            c
+        }
+    };
+    c.stdin(Stdio::null());
+    c
 }
 
 /// A free loopback port (bound and released; another process could take it
@@ -137,6 +169,11 @@ impl PgServer {
             .args(["-D"])
             .arg(&data)
             .args(["-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"])
+            .args(
+                options
+                    .wal_segment_mib
+                    .map(|mib| format!("--wal-segsize={mib}")),
+            )
             .output()
             .map_err(|e| PgTempError(format!("cannot run initdb: {e}")))?;
         if !out.status.success() {
@@ -157,12 +194,18 @@ impl PgServer {
         Ok(server)
     }
 
+    /// The limit on the size of the server's files from its next
+    /// [`PgServer::launch`] on ([`PgTempOptions::file_size_limit_kib`]).
+    pub fn set_file_size_limit_kib(&mut self, kib: Option<u64>) {
+        self.options.file_size_limit_kib = kib;
+    }
+
     /// Starts the server on its data dir and waits until it accepts
     /// connections (also after [`PgServer::stop`]).
     pub fn launch(&self) -> Result<(), PgTempError> {
         let data = self.dir.join("data");
         let log = self.dir.join("server.log");
-        let out = pg_command(&self.bin, "pg_ctl")
+        let out = limited_pg_command(&self.bin, "pg_ctl", self.options.file_size_limit_kib)
             .arg("-D")
             .arg(&data)
             .arg("-l")

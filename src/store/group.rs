@@ -293,9 +293,8 @@ async fn run<T: LogTx>(
             }
         }
         Err(e) => {
-            let e = commit_failed(remote_commit, &e);
             for (reply, _) in accepted {
-                let _ = reply.send(Err(again(&e)));
+                let _ = reply.send(Err(commit_failed(remote_commit, &e)));
             }
         }
     }
@@ -390,9 +389,8 @@ async fn optimistic<T: OptimisticTx>(
                     // transaction is rolled back, nothing is stored): said
                     // now, as a failed commit is, rather than waited out
                     // again under the lock.
-                    let e = commit_failed(T::REMOTE_COMMIT, &e);
                     for p in group {
-                        let _ = p.reply.send(Err(again(&e)));
+                        let _ = p.reply.send(Err(commit_failed(T::REMOTE_COMMIT, &e)));
                     }
                     return None;
                 }
@@ -422,9 +420,8 @@ async fn optimistic<T: OptimisticTx>(
             // Answered like a failed commit, never tried again behind the
             // caller's back: PostgreSQL's call may have committed (its
             // outcome is unknown), SQLite's query failed whole.
-            let e = commit_failed(T::REMOTE_COMMIT, &e);
             for p in group {
-                let _ = p.reply.send(Err(again(&e)));
+                let _ = p.reply.send(Err(commit_failed(T::REMOTE_COMMIT, &e)));
             }
             return None;
         }
