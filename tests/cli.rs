@@ -777,6 +777,34 @@ fn an_unknown_url_scheme_is_a_usage_error() {
     );
 }
 
+/// A SQLite database in memory would acknowledge appends that end with
+/// the process: every spelling of one is refused before anything is
+/// acknowledged (exit 2), and no file is left behind.
+#[test]
+fn an_in_memory_database_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let on_disk = dir.path().join("m.db");
+    for url in [
+        ":memory:".to_owned(),
+        "sqlite::memory:".to_owned(),
+        "sqlite://:memory:?cache=shared".to_owned(),
+        "file::memory:".to_owned(),
+        format!("file:{}?mode=memory", on_disk.display()),
+        format!("{}?mode=memory&cache=shared", on_disk.display()),
+    ] {
+        let started = r#"{"type":"session_started","mode":"agent"}"#;
+        let out = run(&url, &["append", "--expected-seq", "0", S], Some(started));
+        assert_eq!(out.status.code(), Some(2), "{url}: {}", stderr(&out));
+        assert!(out.stdout.is_empty(), "{url}: acknowledged");
+        assert!(
+            stderr(&out).contains("unsupported database URL"),
+            "{url}: {}",
+            stderr(&out)
+        );
+    }
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
+
 #[test]
 fn import_treats_a_repeated_line_as_its_own_append() {
     for (backend, db) in backends() {

@@ -316,7 +316,9 @@ async fn check_file(url: &str, create: bool) -> Result<()> {
     let target = connect_options(url)?;
     let file = target.get_filename();
     let name = file.to_string_lossy();
-    if query.contains("mode=memory") || name == ":memory:" || name.starts_with("file:") {
+    if name.starts_with("file:") {
+        // A SQLite URI the driver hands on as it is; in memory, it was
+        // refused above.
         return Ok(());
     }
     let path = name.as_ref();
@@ -478,7 +480,7 @@ pub(crate) fn pool_options() -> SqlitePoolOptions {
 /// item 16). The price is a WAL of up to about 16 MB between checkpoints.
 pub(crate) fn connect_options(url: &str) -> Result<SqliteConnectOptions> {
     let path = path_of(url);
-    if path.is_empty() {
+    if path.is_empty() || is_in_memory(path) {
         return Err(Error::BadUrl(url.to_owned()));
     }
     Ok(SqliteConnectOptions::from_str(&format!("sqlite://{path}"))
@@ -490,6 +492,20 @@ pub(crate) fn connect_options(url: &str) -> Result<SqliteConnectOptions> {
         .pragma("temp_store", "memory")
         .pragma("wal_autocheckpoint", "4000")
         .foreign_keys(true))
+}
+
+/// Whether `path` (a URL's, after its scheme) names an in-memory database:
+/// `:memory:`, or `mode=memory` in its options or in a `file:` URI's. A
+/// store there would acknowledge appends that end with the process (and
+/// each pooled connection would see a database of its own), so it is
+/// refused as a URL the store cannot use.
+fn is_in_memory(path: &str) -> bool {
+    let (name, query) = path.split_once('?').unwrap_or((path, ""));
+    let name = name.strip_prefix("file:").unwrap_or(name);
+    name == ":memory:"
+        || query
+            .split('&')
+            .any(|o| o.eq_ignore_ascii_case("mode=memory"))
 }
 
 /// Runs `open` (a pool or a connection), retrying for a few seconds while
@@ -2240,10 +2256,22 @@ mod tests {
         store.close().await;
         check_file(&url, false).await.unwrap();
         check_file(&file, false).await.unwrap();
-        check_file("sqlite::memory:", false).await.unwrap();
-        check_file("sqlite://x.db?mode=memory", false)
-            .await
-            .unwrap();
+        // A store in memory would lose what it acknowledged: refused.
+        for memory in [
+            "sqlite::memory:",
+            ":memory:",
+            "sqlite://:memory:?cache=shared",
+            "sqlite://x.db?mode=memory",
+            "x.db?cache=shared&mode=memory",
+            "file::memory:",
+            "file:/tmp/x.db?mode=memory",
+        ] {
+            let refused = check_file(memory, true).await;
+            assert!(
+                matches!(refused, Err(Error::BadUrl(_))),
+                "{memory}: {refused:?}"
+            );
+        }
         // The driver percent-decodes the path: the check reads the same
         // file, here another application's database.
         let spaced = dir.path().join("my app.db");
