@@ -237,6 +237,9 @@ fn full_disk_during_import(
             !stderr.contains("panicked") && !stderr.contains("{ "),
             "{stderr}"
         );
+        // The server (or SQLite, in this process) said the write failed:
+        // its outcome is known, nothing of the failed run was stored.
+        assert!(!stderr.contains("may or may not be stored"), "{stderr}");
         // The group's failure wraps the cause once.
         assert!(
             stderr.matches("committed in failed").count() <= 1,

@@ -110,9 +110,8 @@ fn again(e: &Error) -> Error {
     }
 }
 
-/// A failure of the commit itself (PostgreSQL's `COMMIT`, or the one
-/// autocommitted call of an optimistic group), for each append of the
-/// group. A lost connection there may have come after the server
+/// A failure of the one autocommitted call of an optimistic group (or of
+/// SQLite's commit query), for each append of the group. A lost connection there may have come after the server
 /// committed: the appends are told their outcome is unknown, not that
 /// nothing was stored. SQLite's commit is in this process: it either
 /// commits or rolls back and says so, and its failures stay as they are.
@@ -161,23 +160,22 @@ pub(crate) async fn commit_group(
     if let Some(group) = group {
         paths.locked.fetch_add(1, Ordering::Relaxed);
         match &backend {
-            Backend::Sqlite(b) => run(b.begin_write().await, &options, &states, group, false).await,
-            Backend::Postgres(b) => {
-                run(b.begin_write().await, &options, &states, group, true).await
-            }
+            Backend::Sqlite(b) => run(b.begin_write().await, &options, &states, group).await,
+            Backend::Postgres(b) => run(b.begin_write().await, &options, &states, group).await,
         }
     }
     drop(slot);
 }
 
-/// `remote_commit`: the commit is a round trip to a server (PostgreSQL),
-/// whose answer can be lost after it committed ([`commit_failed`]).
+/// Judges and commits `group` under the write lock. A failed commit is
+/// told to each append as the backend said it: [`LogTx::commit`] says
+/// `OutcomeUnknown` when the answer to a `COMMIT` sent to a server was
+/// lost, and a failure before the `COMMIT` as it is (nothing stored).
 async fn run<T: LogTx>(
     tx: Result<T>,
     options: &StoreOptions,
     states: &StateCache,
     group: Vec<Pending>,
-    remote_commit: bool,
 ) {
     let mut tx = match tx {
         Ok(tx) => tx,
@@ -294,7 +292,7 @@ async fn run<T: LogTx>(
         }
         Err(e) => {
             for (reply, _) in accepted {
-                let _ = reply.send(Err(commit_failed(remote_commit, &e)));
+                let _ = reply.send(Err(again(&e)));
             }
         }
     }
@@ -415,6 +413,15 @@ async fn optimistic<T: OptimisticTx>(
             tracing::debug!(%why, "optimistic append refused by its checks; judged again under the lock");
             paths.abandoned.fetch_add(1, Ordering::Relaxed);
             return Some(group);
+        }
+        Err(OptimisticMiss::NotStored(e)) => {
+            // The server said the call failed before its commit: nothing
+            // is stored, said as it is (a full disk stays "storage
+            // unavailable", not an unknown outcome).
+            for p in group {
+                let _ = p.reply.send(Err(again(&e)));
+            }
+            return None;
         }
         Err(OptimisticMiss::Failed(e)) => {
             // Answered like a failed commit, never tried again behind the

@@ -494,7 +494,9 @@ pub(crate) trait LogTx: Send {
         &mut self,
         session_id: Uuid,
     ) -> impl Future<Output = Result<()>> + Send;
-    /// Commits.
+    /// Commits. A failure before the commit (nothing stored) is said as
+    /// it is; a `COMMIT` sent to a server whose answer was lost (it may
+    /// have committed) is `Error::OutcomeUnknown`.
     fn commit(self) -> impl Future<Output = Result<()>> + Send;
 }
 

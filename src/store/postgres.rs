@@ -802,6 +802,27 @@ pub(crate) enum OptimisticMiss {
     Rejected(String),
     /// The call may or may not have committed (the connection failed).
     Failed(Error),
+    /// The server said the call failed before it committed (a full disk, a
+    /// lock or statement timeout, a serialization failure): nothing was
+    /// written, and the group's appends are told so, not that their
+    /// outcome is unknown.
+    NotStored(Error),
+}
+
+/// Whether the server's error ends an autocommitted statement before its
+/// commit: the statement ran out of a resource (class 53: a full disk,
+/// memory), was cancelled by its timeout (57014) or a lock timeout
+/// (55P03), or lost a serialization conflict or a deadlock (40001,
+/// 40P01); the transaction is rolled back. A connection's failure (class
+/// 08, a shutdown's 57P) may come after the commit, and a pooler may
+/// report a lost server connection as an error of its own: those stay
+/// unknown.
+fn ended_before_commit(e: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(db) = e else {
+        return false;
+    };
+    let code = db.code().unwrap_or_default();
+    code.starts_with("53") || ["57014", "55P03", "40001", "40P01"].contains(&code.as_ref())
 }
 
 /// The error of a read an optimistic transaction cannot answer; never
@@ -985,6 +1006,9 @@ impl super::group::OptimisticTx for PgTx {
                 if matches!(e.code().as_deref(), Some("SS001" | "SS002" | "23505")) =>
             {
                 Err(OptimisticMiss::Rejected(e.message().to_owned()))
+            }
+            Err(e) if ended_before_commit(&e) => {
+                Err(OptimisticMiss::NotStored(Error::from_sqlx(e)))
             }
             Err(e) => Err(OptimisticMiss::Failed(Error::from_sqlx(e))),
         }
@@ -1748,8 +1772,15 @@ impl LogTx for PgTx {
             )
             .await?;
         }
+        // Everything before the `COMMIT` failed, if it did, with the
+        // transaction open: nothing is stored. The `COMMIT`'s answer lost
+        // (a cut connection, no answer within the deadline) may come after
+        // the server committed.
         match self.conn {
-            PgConn::Locked(tx) => trip(self.deadline, tx.commit()).await,
+            PgConn::Locked(tx) => match trip(self.deadline, tx.commit()).await {
+                Err(Error::Unavailable(m)) => Err(Error::OutcomeUnknown(m)),
+                other => other,
+            },
             PgConn::Optimistic(_) => Err(optimistic_miss()),
         }
     }
