@@ -304,6 +304,13 @@ both_backends!(every_documented_status, |url: String| async move {
     );
     let (s, v) = get(&app, "/v1/sessions/not-a-uuid/context", None).await;
     assert_error(s, &v, StatusCode::BAD_REQUEST, "bad_request");
+    // Not UTF-8 once percent-decoded: said in the store's words.
+    let (s, v) = get(&app, "/v1/sessions/%FF/context", None).await;
+    assert_error(s, &v, StatusCode::BAD_REQUEST, "bad_request");
+    assert_eq!(
+        v["message"],
+        "the session id in the path is not UTF-8 once percent-decoded: session ids are UUIDs"
+    );
 
     // 200 reads in the §9 shapes.
     let (s, v) = get(&app, &format!("/v1/sessions/{id}/activations"), None).await;
@@ -1525,9 +1532,33 @@ async fn answers_their_clients_do_not_read_are_held_within_the_response_memory()
     stop_serving(stop, serving, "shutdown").await;
 }
 
+/// Sends an append of `session_started` to session `s`, its
+/// Content-Length declared `extra` bytes longer than the body, shuts the
+/// client's side and reads the whole answer.
+async fn append_and_shut(addr: std::net::SocketAddr, s: Uuid, extra: usize) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let body = r#"{"expected_seq":0,"events":[{"type":"session_started","mode":"agent"}]}"#;
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    conn.write_all(
+        format!(
+            "POST /v1/sessions/{s}/events HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len() + extra
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    conn.shutdown().await.unwrap();
+    let mut all = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut all))
+        .await
+        .expect("answered")
+        .unwrap();
+    String::from_utf8_lossy(&all).into_owned()
+}
+
 #[tokio::test]
 async fn a_client_that_shuts_its_side_after_the_request_still_gets_the_answer() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let dir = tempfile::tempdir().unwrap();
     let store = store_in(&dir).await;
     let server = Server::new(store.clone(), ServerConfig::default());
@@ -1536,27 +1567,31 @@ async fn a_client_that_shuts_its_side_after_the_request_still_gets_the_answer() 
     // being made) is lost now and then: twenty appends, every one answered.
     for _ in 0..20 {
         let s = Uuid::new_v4();
-        let body = r#"{"expected_seq":0,"events":[{"type":"session_started","mode":"agent"}]}"#;
-        let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
-        conn.write_all(
-            format!(
-                "POST /v1/sessions/{s}/events HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-                body.len()
-            )
-            .as_bytes(),
-        )
-        .await
-        .unwrap();
-        conn.shutdown().await.unwrap();
-        let mut all = Vec::new();
-        tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut all))
-            .await
-            .expect("answered")
-            .unwrap();
-        let text = String::from_utf8_lossy(&all);
+        let text = append_and_shut(addr, s, 0).await;
         assert!(text.starts_with("HTTP/1.1 201"), "{text:?}");
         assert_eq!(store.history(s, 0, 10).await.unwrap().len(), 1);
     }
+    stop_serving(stop, serving, "shutdown").await;
+}
+
+/// A body cut short (the client closes its side before sending all of
+/// its Content-Length) is answered 400 in the store's words, and nothing
+/// is stored.
+#[tokio::test]
+async fn a_body_shorter_than_its_length_is_said_and_nothing_is_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store_in(&dir).await;
+    let server = Server::new(store.clone(), ServerConfig::default());
+    let (addr, stop, serving) = serve_until_stopped(server).await;
+    let s = Uuid::new_v4();
+    let text = append_and_shut(addr, s, 10).await;
+    assert!(text.starts_with("HTTP/1.1 400"), "{text:?}");
+    assert!(
+        text.contains("the body could not be read to its end"),
+        "{text:?}"
+    );
+    assert!(!text.contains("Failed to buffer"), "{text:?}");
+    assert!(store.history(s, 0, 10).await.unwrap().is_empty());
     stop_serving(stop, serving, "shutdown").await;
 }
 

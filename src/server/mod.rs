@@ -527,7 +527,14 @@ impl<S: Send + Sync> axum::extract::FromRequestParts<S> for SessionPath {
         Path::<String>::from_request_parts(parts, state)
             .await
             .map(|Path(id)| SessionPath(id))
-            .map_err(|e| ApiError::bad_request(format!("bad session id: {}", e.body_text())))
+            // The one way a single segment fails: its bytes are not UTF-8
+            // once percent-decoded (axum's wording names its internals).
+            .map_err(|_| {
+                ApiError::bad_request(
+                    "the session id in the path is not UTF-8 once percent-decoded: session ids are UUIDs"
+                        .to_owned(),
+                )
+            })
     }
 }
 
@@ -902,7 +909,13 @@ fn body_error(e: BytesRejection, limit: usize) -> ApiError {
             format!("the body is over the limit of {limit} bytes; send smaller batches"),
         )
     } else {
-        ApiError::bad_request(format!("cannot read the body: {}", e.body_text()))
+        // axum's wording ("Failed to buffer the request body: error
+        // reading a body from connection") names its internals.
+        tracing::debug!(cause = %e.body_text(), "request body not read");
+        ApiError::bad_request(
+            "the body could not be read to its end: the connection closed or failed before it, or it was shorter than its Content-Length"
+                .to_owned(),
+        )
     }
 }
 
