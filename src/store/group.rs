@@ -110,11 +110,13 @@ fn again(e: &Error) -> Error {
     }
 }
 
-/// A failure of the one autocommitted call of an optimistic group (or of
-/// SQLite's commit query), for each append of the group. A lost connection there may have come after the server
-/// committed: the appends are told their outcome is unknown, not that
-/// nothing was stored. SQLite's commit is in this process: it either
-/// commits or rolls back and says so, and its failures stay as they are.
+/// A failure of an optimistic group's commit (PostgreSQL's one
+/// autocommitted call, SQLite's commit query), for each append of the
+/// group. `Unavailable` from a remote commit (a lost connection, the
+/// deadline) may have come after the server committed: the appends are
+/// told their outcome is unknown. SQLite's commit is in this process: it
+/// either commits or rolls back and says so, and its failures stay as
+/// they are.
 fn commit_failed(remote_commit: bool, e: &Error) -> Error {
     match e {
         Error::Unavailable(m) if remote_commit => Error::OutcomeUnknown(m.clone()),
@@ -168,9 +170,9 @@ pub(crate) async fn commit_group(
 }
 
 /// Judges and commits `group` under the write lock. A failed commit is
-/// told to each append as the backend said it: [`LogTx::commit`] says
+/// told to each append as the backend said it ([`LogTx::commit_append`]:
 /// `OutcomeUnknown` when the answer to a `COMMIT` sent to a server was
-/// lost, and a failure before the `COMMIT` as it is (nothing stored).
+/// lost, a failure before the `COMMIT` as it is: nothing stored).
 async fn run<T: LogTx>(
     tx: Result<T>,
     options: &StoreOptions,
@@ -278,7 +280,7 @@ async fn run<T: LogTx>(
     if let Some(pause) = options.fault_pause_before_commit {
         tokio::time::sleep(pause).await;
     }
-    match tx.commit().await {
+    match tx.commit_append().await {
         Ok(()) => {
             if let Some(pause) = options.fault_pause_after_commit {
                 tokio::time::sleep(pause).await;

@@ -157,7 +157,8 @@ pub struct StoreOptions {
     /// The longest one round trip to PostgreSQL may take before what made
     /// it answers [`Error::Unavailable`]: each statement of a read, of a
     /// write transaction (`rebuild`, the backfills at open, the locked
-    /// path of an append) and the check of the schema at open. Per round
+    /// path of an append, whose `COMMIT` cut off answers
+    /// [`Error::OutcomeUnknown`]) and the check of the schema at open. Per round
     /// trip, not per call: `verify` or a fold at `--at-seq` of a long
     /// session make many, each bounded. `None` (the default) waits as long
     /// as the server takes; the CLI sets `--read-timeout`. SQLite is local
@@ -494,10 +495,18 @@ pub(crate) trait LogTx: Send {
         &mut self,
         session_id: Uuid,
     ) -> impl Future<Output = Result<()>> + Send;
-    /// Commits. A failure before the commit (nothing stored) is said as
-    /// it is; a `COMMIT` sent to a server whose answer was lost (it may
-    /// have committed) is `Error::OutcomeUnknown`.
+    /// Commits.
     fn commit(self) -> impl Future<Output = Result<()>> + Send;
+    /// Commits a group of appends: as [`LogTx::commit`], but a `COMMIT`
+    /// sent to a server whose answer was lost (it may have committed) is
+    /// [`Error::OutcomeUnknown`]; a failure before it (nothing stored) is
+    /// said as it is. SQLite commits in this process and knows.
+    fn commit_append(self) -> impl Future<Output = Result<()>> + Send
+    where
+        Self: Sized,
+    {
+        self.commit()
+    }
 }
 
 /// What an accepted batch writes (see [`LogTx::write_accepted`]).

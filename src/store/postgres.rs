@@ -800,7 +800,9 @@ pub(crate) enum OptimisticMiss {
     /// The call's checks refused it (a head moved, a call id or an event id
     /// is stored): nothing was written.
     Rejected(String),
-    /// The call may or may not have committed (the connection failed).
+    /// The call failed otherwise: a connection's failure or a call cut off
+    /// by the deadline (it may have committed: told as an unknown outcome),
+    /// or another error of the database (told as it is).
     Failed(Error),
     /// The server said the call failed before it committed (a full disk, a
     /// lock or statement timeout, a serialization failure): nothing was
@@ -999,9 +1001,13 @@ impl super::group::OptimisticTx for PgTx {
             Ok(base) => Ok(base),
             // Only the function's own checks and a stored event id say
             // "judge again": each is raised before the commit, so nothing
-            // was written. Any other error, even one the server reports,
-            // may come after the commit (a pooler reports a lost server
-            // connection as an error), so it is the caller's.
+            // was written. Any other error is the caller's: said as not
+            // stored when the server answered with a cause that ends a
+            // statement before its commit, and otherwise as `Failed`
+            // (a connection's failure, which may come after the commit and
+            // which a pooler may report as an error of its own, becomes an
+            // unknown outcome; the server's other refusals stay database
+            // errors).
             Err(sqlx::Error::Database(e))
                 if matches!(e.code().as_deref(), Some("SS001" | "SS002" | "23505")) =>
             {
@@ -1761,7 +1767,24 @@ impl LogTx for PgTx {
         Ok(())
     }
 
-    async fn commit(mut self) -> Result<()> {
+    async fn commit(self) -> Result<()> {
+        self.finish(false).await
+    }
+
+    async fn commit_append(self) -> Result<()> {
+        self.finish(true).await
+    }
+}
+
+impl PgTx {
+    /// [`LogTx::commit`]: the buffered writes, the counter, the `COMMIT`.
+    /// Everything before the `COMMIT` fails, if it does, with the
+    /// transaction open: nothing is stored. The `COMMIT`'s answer lost (a
+    /// cut connection, no answer within the deadline) may come after the
+    /// server committed: `unknown_on_lost_answer` says so as
+    /// [`Error::OutcomeUnknown`] (an append's commit), otherwise it stays
+    /// `Unavailable` (`rebuild`, the backfills, whose callers look again).
+    async fn finish(mut self, unknown_on_lost_answer: bool) -> Result<()> {
         self.flush().await?;
         if self.unwritten > 0 {
             trip(
@@ -1772,13 +1795,11 @@ impl LogTx for PgTx {
             )
             .await?;
         }
-        // Everything before the `COMMIT` failed, if it did, with the
-        // transaction open: nothing is stored. The `COMMIT`'s answer lost
-        // (a cut connection, no answer within the deadline) may come after
-        // the server committed.
         match self.conn {
             PgConn::Locked(tx) => match trip(self.deadline, tx.commit()).await {
-                Err(Error::Unavailable(m)) => Err(Error::OutcomeUnknown(m)),
+                Err(Error::Unavailable(m)) if unknown_on_lost_answer => {
+                    Err(Error::OutcomeUnknown(m))
+                }
                 other => other,
             },
             PgConn::Optimistic(_) => Err(optimistic_miss()),

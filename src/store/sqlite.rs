@@ -317,8 +317,8 @@ async fn check_file(url: &str, create: bool) -> Result<()> {
     let file = target.get_filename();
     let name = file.to_string_lossy();
     if name.starts_with("file:") {
-        // A SQLite URI the driver hands on as it is; in memory, it was
-        // refused above.
+        // A SQLite URI the driver hands on as it is (one in memory is
+        // refused above, or by `check_durable` once opened).
         return Ok(());
     }
     let path = name.as_ref();
@@ -505,7 +505,29 @@ fn is_in_memory(path: &str) -> bool {
     name == ":memory:"
         || query
             .split('&')
-            .any(|o| o.eq_ignore_ascii_case("mode=memory"))
+            .any(|o| o.eq_ignore_ascii_case("mode=memory") || o.eq_ignore_ascii_case("vfs=memdb"))
+}
+
+/// What SQLite opened is a file in WAL mode, as every store is: a URL
+/// whose in-memory or temporary database the spelling hid from
+/// [`is_in_memory`] (a percent-encoded `:memory:` or option, a `file:`
+/// URI's, the `memdb` VFS, an empty `file:` name) has a main database
+/// without a file, or one that cannot be in WAL mode, and is refused
+/// before anything is written to it.
+async fn check_durable(conn: &mut SqliteConnection, url: &str) -> Result<()> {
+    let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(Error::from_sqlx)?;
+    let file: Option<String> =
+        sqlx::query_scalar("SELECT file FROM pragma_database_list WHERE name = 'main'")
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(Error::from_sqlx)?;
+    match mode.eq_ignore_ascii_case("wal") && file.is_some_and(|f| !f.is_empty()) {
+        true => Ok(()),
+        false => Err(Error::BadUrl(url.to_owned())),
+    }
 }
 
 /// Runs `open` (a pool or a connection), retrying for a few seconds while
@@ -544,7 +566,8 @@ impl SqliteBackend {
         check_file(url, options.create_if_missing).await?;
         let connect = connect_options(url)?;
         let timeout = Duration::from_secs(options.connect_timeout_secs.max(1) + 10);
-        let writer = open_busy(path, || SqliteConnection::connect_with(&connect)).await?;
+        let mut writer = open_busy(path, || SqliteConnection::connect_with(&connect)).await?;
+        check_durable(&mut writer, url).await?;
         // The file exists now. Every later connection (the pool's, a
         // reopened writer) opens it or fails: one that made a new empty
         // file after the store's was removed would take writes no one
@@ -2240,6 +2263,34 @@ mod tests {
             }
             check_file(path, true).await.unwrap();
         }
+    }
+
+    /// Spellings of an in-memory or temporary database that only the
+    /// driver's decoding reveals are refused once opened, before anything
+    /// is written; nothing is left in the directory.
+    #[tokio::test]
+    async fn a_database_without_a_file_is_refused_once_opened() {
+        let dir = tempfile::tempdir().unwrap();
+        let at = |name: &str| dir.path().join(name).display().to_string();
+        for url in [
+            "sqlite://%3Amemory%3A".to_owned(),
+            "sqlite://file:%3Amemory%3A".to_owned(),
+            format!("sqlite://file:{}%3Fmode%3Dmemory", at("a.db")),
+            format!("sqlite://{}?mode=%6Demory", at("b.db")),
+            format!("sqlite://{}?vfs=memdb", at("c.db")),
+            "sqlite://file:".to_owned(),
+        ] {
+            let opened = crate::Store::open(&url).await;
+            assert!(
+                matches!(opened, Err(Error::BadUrl(_))),
+                "{url}: {:?}",
+                opened.map(|_| ())
+            );
+        }
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+        // A store in a file still opens.
+        let store = crate::Store::open(&at("s.db")).await.unwrap();
+        store.close().await;
     }
 
     /// `check_file` looks at the file the driver opens, whatever the URL's
