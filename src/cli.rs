@@ -224,8 +224,9 @@ pub enum Command {
     History {
         /// The session's UUID.
         session: String,
-        /// Start after this seq.
-        #[arg(long, default_value_t = 0)]
+        /// Start after this seq (0: from the first event; a negative one
+        /// is a usage error, as over HTTP).
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(i64).range(0..))]
         after_seq: i64,
         /// Print at most this many events (all of them without it).
         #[arg(long, value_parser = clap::value_parser!(i64).range(1..))]

@@ -777,6 +777,26 @@ fn an_unknown_url_scheme_is_a_usage_error() {
     );
 }
 
+/// `history --after-seq` below 0 is a usage error (exit 2), as a negative
+/// `after_seq` is refused over HTTP (422), not a page from the start.
+#[test]
+fn history_refuses_a_negative_after_seq() {
+    let db = common::sqlite_db();
+    let started = r#"{"type":"session_started","mode":"agent"}"#;
+    let out = run(
+        &db.url,
+        &["append", "--expected-seq", "0", S],
+        Some(started),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = run(&db.url, &["history", S, "--after-seq=-1"], None);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--after-seq"), "{}", stderr(&out));
+    let out = run(&db.url, &["history", S, "--after-seq=0", "--json"], None);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stdout(&out).lines().count(), 1);
+}
+
 /// A SQLite database in memory would acknowledge appends that end with
 /// the process: every spelling of one is refused before anything is
 /// acknowledged (exit 2), and no file is left behind.
