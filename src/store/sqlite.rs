@@ -2036,7 +2036,19 @@ impl LogTx for SqliteTx {
         Ok(())
     }
 
-    async fn commit(mut self) -> Result<()> {
+    async fn commit(self) -> Result<()> {
+        self.finish(false).await
+    }
+
+    async fn commit_append(self) -> Result<()> {
+        self.finish(true).await
+    }
+}
+
+impl SqliteTx {
+    /// [`LogTx::commit`]; `append`: an append's commit, whose failure after
+    /// its frames were written ([`commit_error`]) is an unknown outcome.
+    async fn finish(mut self, append: bool) -> Result<()> {
         // The writer stays in `self` while the commit is awaited: if the
         // caller drops this future half-way (a timeout, a `select!`), Drop
         // still finds the open transaction and rolls it back, instead of
@@ -2079,7 +2091,7 @@ impl LogTx for SqliteTx {
                     Err(e) => {
                         w.rollback().await;
                         w.last_committed = None;
-                        Err(Error::from_sqlx(e))
+                        Err(commit_error(e, append))
                     }
                 }
             }
@@ -2189,10 +2201,41 @@ impl super::group::OptimisticTx for SqliteTx {
                 // SQLITE_CONSTRAINT is 19.
                 Err(match crate::error::sqlite_primary_code(&e) == Some(19) {
                     true => refused(sqlx_message(&e)),
-                    false => OptimisticMiss::Failed(Error::from_sqlx(e)),
+                    false => OptimisticMiss::Failed(commit_error(e, true)),
                 })
             }
         }
+    }
+}
+
+/// SQLite's extended result codes of a failure that comes after a commit's
+/// frames were written to the WAL: its sync (`SQLITE_IOERR_FSYNC`,
+/// `SQLITE_IOERR_DIR_FSYNC`) or the index of the WAL (`SQLITE_IOERR_SHMOPEN`,
+/// `_SHMSIZE`, `_SHMMAP`). This process does not see those frames, but
+/// they end with a commit marker and valid checksums: opened after a
+/// crash, SQLite's recovery of the WAL may find the transaction there.
+const FAILED_AFTER_WRITE: [i64; 5] = [1034, 1290, 4618, 4874, 5386];
+
+/// Whether SQLite's extended result `code` is one of [`FAILED_AFTER_WRITE`].
+fn failed_after_write(code: i64) -> bool {
+    FAILED_AFTER_WRITE.contains(&code)
+}
+
+/// The error of a failed commit query. For an append (`append`), a
+/// failure after its frames were written ([`FAILED_AFTER_WRITE`]) is an
+/// unknown outcome: it may be stored, and a retry must use the same event
+/// ids. Any other failure stored nothing, and is said as it is.
+fn commit_error(e: sqlx::Error, append: bool) -> Error {
+    let code = match &e {
+        sqlx::Error::Database(db) => db.code().and_then(|c| c.parse::<i64>().ok()),
+        _ => None,
+    };
+    match code {
+        Some(code) if append && failed_after_write(code) => Error::OutcomeUnknown(format!(
+            "{} (SQLite's extended code {code}: the commit was written but not made durable)",
+            sqlx_message(&e)
+        )),
+        _ => Error::from_sqlx(e),
     }
 }
 
@@ -2262,6 +2305,41 @@ mod tests {
                 other => panic!("{path}: {other:?}"),
             }
             check_file(path, true).await.unwrap();
+        }
+    }
+
+    /// A commit that failed at its sync or at the WAL's index (after its
+    /// frames were written) may be found by the next open's recovery: an
+    /// unknown outcome. A write or space failure, or a failure before the
+    /// frames (busy, constraint), stored nothing. The codes are SQLite's
+    /// extended ones (`sqlite3_extended_result_codes`, which sqlx turns on).
+    #[test]
+    fn only_failures_after_the_frames_were_written_leave_a_commit_unknown() {
+        // IOERR_FSYNC, IOERR_DIR_FSYNC, IOERR_SHMOPEN, _SHMSIZE, _SHMMAP.
+        for code in [
+            10 | 4 << 8,
+            10 | 5 << 8,
+            10 | 18 << 8,
+            10 | 19 << 8,
+            10 | 21 << 8,
+        ] {
+            assert!(failed_after_write(code), "{code}");
+        }
+        // IOERR_READ, IOERR_WRITE, IOERR_SHORT_READ, IOERR_TRUNCATE,
+        // FULL, BUSY, CONSTRAINT, CONSTRAINT_UNIQUE, READONLY, CANTOPEN.
+        for code in [
+            10 | 1 << 8,
+            10 | 3 << 8,
+            10 | 2 << 8,
+            10 | 6 << 8,
+            13,
+            5,
+            19,
+            2067,
+            8,
+            14,
+        ] {
+            assert!(!failed_after_write(code), "{code}");
         }
     }
 
