@@ -360,8 +360,9 @@ pub struct ServeArgs {
     /// authenticates, for instance).
     #[arg(long)]
     pub insecure: bool,
-    /// Largest request body, in bytes.
-    #[arg(long, default_value_t = crate::server::DEFAULT_BODY_LIMIT)]
+    /// Largest request body, in bytes (at least 1: a limit of 0 would
+    /// refuse every append).
+    #[arg(long, default_value_t = crate::server::DEFAULT_BODY_LIMIT, value_parser = parse_body_limit)]
     pub body_limit: usize,
     /// Most events one append may carry; more answer 413 (an append's
     /// memory grows with its events, whatever their size).
@@ -522,6 +523,17 @@ fn store_exit_code(e: &Error) -> i32 {
         | Error::SessionNotFound(_)
         | Error::SeqOutOfRange { .. }
         | Error::PromptOutOfRange { .. } => 1,
+    }
+}
+
+/// `serve --body-limit`: a whole number of bytes, at least 1.
+fn parse_body_limit(s: &str) -> std::result::Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => {
+            Err("a body limit of 0 bytes would refuse every append; give at least 1".to_owned())
+        }
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("{s:?} is not a whole number of bytes")),
     }
 }
 

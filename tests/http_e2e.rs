@@ -329,6 +329,20 @@ fn serve_listens_on_a_host_name() {
         err.contains(r#""localhost" is not an address to listen on (IP:PORT or HOST:PORT)"#),
         "{err}"
     );
+
+    // A body limit of 0 would refuse every append: refused by name.
+    let out = Command::new(env!("CARGO_BIN_EXE_session-store"))
+        .arg("--database")
+        .arg(&db)
+        .args(["serve", "--listen", "127.0.0.1:0", "--body-limit", "0"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--body-limit") && err.contains("at least 1"),
+        "{err}"
+    );
 }
 
 /// `--state-cache-memory` bounds what the server's cached session states
