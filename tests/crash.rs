@@ -107,24 +107,38 @@ fn check_agreement(url: &str, logs: &[Vec<StoredEvent>]) -> usize {
     committed
 }
 
-fn kill_during_import(url: &str, seed: u64) {
+/// Four sessions' logs of `events` events each, and a file of their
+/// lines interleaved for an import; the generator goes on from there.
+fn import_input(seed: u64, events: usize) -> (Vec<Vec<StoredEvent>>, tempfile::NamedTempFile, Rng) {
     let logs: Vec<Vec<StoredEvent>> = (0..4)
-        .map(|i| valid_log(seed + i, Uuid::new_v4(), 1500))
+        .map(|i| valid_log(seed + i, Uuid::new_v4(), events))
         .collect();
-    let total: usize = logs.iter().map(Vec::len).sum();
     let mut rng = Rng::new(seed);
     let file = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(file.path(), interleaved(&logs, &mut rng)).unwrap();
+    (logs, file, rng)
+}
+
+/// `program` (the binary, or a shell that runs it) told to import `file`
+/// into `url`, its errors piped, its output dropped.
+fn importing(mut program: Command, url: &str, file: &std::path::Path) -> Command {
+    program
+        .arg("--database")
+        .arg(url)
+        .arg("import")
+        .arg(file)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    program
+}
+
+fn kill_during_import(url: &str, seed: u64) {
+    let (logs, file, mut rng) = import_input(seed, 1500);
+    let total: usize = logs.iter().map(Vec::len).sum();
     let mut last = 0;
     let mut kills = 0;
     for round in 0..4 {
-        let mut child = Command::new(BIN)
-            .arg("--database")
-            .arg(url)
-            .arg("import")
-            .arg(file.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
+        let mut child = importing(Command::new(BIN), url, file.path())
             .spawn()
             .unwrap();
         std::thread::sleep(Duration::from_millis(150 + rng.below(600) as u64));
@@ -201,23 +215,12 @@ fn full_disk_during_import(
     said: &str,
     mut fill: impl FnMut(Option<u64>) -> Command,
 ) {
-    let logs: Vec<Vec<StoredEvent>> = (0..4)
-        .map(|i| valid_log(seed + i, Uuid::new_v4(), events))
-        .collect();
+    let (logs, file, mut rng) = import_input(seed, events);
     let total: usize = logs.iter().map(Vec::len).sum();
-    let mut rng = Rng::new(seed);
-    let file = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(file.path(), interleaved(&logs, &mut rng)).unwrap();
     let (mut last, mut full) = (0, 0);
     for round in 0..6 {
         let room = 32 + rng.below(224) as u64;
-        let out = fill(Some(room))
-            .arg("--database")
-            .arg(url)
-            .arg("import")
-            .arg(file.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
+        let out = importing(fill(Some(room)), url, file.path())
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -256,13 +259,7 @@ fn full_disk_during_import(
         last = committed;
     }
     assert!(full >= 3, "the limit stopped only {full} imports");
-    let out = fill(None)
-        .arg("--database")
-        .arg(url)
-        .arg("import")
-        .arg(file.path())
-        .output()
-        .unwrap();
+    let out = importing(fill(None), url, file.path()).output().unwrap();
     assert!(
         out.status.success(),
         "{}",
