@@ -2216,11 +2216,6 @@ impl super::group::OptimisticTx for SqliteTx {
 /// crash, SQLite's recovery of the WAL may find the transaction there.
 const FAILED_AFTER_WRITE: [i64; 5] = [1034, 1290, 4618, 4874, 5386];
 
-/// Whether SQLite's extended result `code` is one of [`FAILED_AFTER_WRITE`].
-fn failed_after_write(code: i64) -> bool {
-    FAILED_AFTER_WRITE.contains(&code)
-}
-
 /// The error of a failed commit query. For an append (`append`), a
 /// failure after its frames were written ([`FAILED_AFTER_WRITE`]) is an
 /// unknown outcome: it may be stored, and a retry must use the same event
@@ -2231,10 +2226,12 @@ fn commit_error(e: sqlx::Error, append: bool) -> Error {
         _ => None,
     };
     match code {
-        Some(code) if append && failed_after_write(code) => Error::OutcomeUnknown(format!(
-            "{} (SQLite's extended code {code}: the commit was written but not made durable)",
-            sqlx_message(&e)
-        )),
+        Some(code) if append && FAILED_AFTER_WRITE.contains(&code) => {
+            Error::OutcomeUnknown(format!(
+                "{} (SQLite's extended code {code}: the commit was written but not made durable)",
+                sqlx_message(&e)
+            ))
+        }
         _ => Error::from_sqlx(e),
     }
 }
@@ -2323,7 +2320,7 @@ mod tests {
             10 | 19 << 8,
             10 | 21 << 8,
         ] {
-            assert!(failed_after_write(code), "{code}");
+            assert!(FAILED_AFTER_WRITE.contains(&code), "{code}");
         }
         // IOERR_READ, IOERR_WRITE, IOERR_SHORT_READ, IOERR_TRUNCATE,
         // FULL, BUSY, CONSTRAINT, CONSTRAINT_UNIQUE, READONLY, CANTOPEN.
@@ -2339,7 +2336,7 @@ mod tests {
             8,
             14,
         ] {
-            assert!(!failed_after_write(code), "{code}");
+            assert!(!FAILED_AFTER_WRITE.contains(&code), "{code}");
         }
     }
 

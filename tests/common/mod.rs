@@ -85,18 +85,25 @@ pub fn postgres_admin_url() -> Option<String> {
         if let Ok(url) = std::env::var("TEST_DATABASE_URL") {
             return Some(url);
         }
-        match find_pg_bin() {
-            Some(bin) => Some(start_pg_server(&bin).url()),
-            None if std::env::var("CI").as_deref() == Ok("true") => {
-                panic!("CI=true but no PostgreSQL server binaries (initdb, postgres) were found on PATH or in /usr/lib/postgresql/*/bin")
-            }
-            None => {
-                eprintln!("SKIPPED: PostgreSQL binaries not found; the PostgreSQL half of these tests did not run");
-                None
-            }
-        }
+        pg_bin().map(|bin| start_pg_server(&bin).url())
     })
     .clone()
+}
+
+/// The PostgreSQL binaries' directory, or `None` (the test is skipped,
+/// and says so) where there are none; under CI=true their absence fails
+/// the test, since CI must run every PostgreSQL test.
+pub fn pg_bin() -> Option<std::path::PathBuf> {
+    match find_pg_bin() {
+        Some(bin) => Some(bin),
+        None if std::env::var("CI").as_deref() == Ok("true") => {
+            panic!("CI=true but no PostgreSQL server binaries (initdb, postgres) were found on PATH or in /usr/lib/postgresql/*/bin")
+        }
+        None => {
+            eprintln!("SKIPPED: PostgreSQL binaries not found; the PostgreSQL half of these tests did not run");
+            None
+        }
+    }
 }
 
 pub use session_store::pgtemp::{find_pg_bin, PgServer};
