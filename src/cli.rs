@@ -463,10 +463,11 @@ pub enum CliError {
     Bench(#[from] crate::bench::BenchError),
     /// A run of `import`'s lines that could not be stored (the storage
     /// failed, not the lines).
-    // Not "were not stored": the last attempt's commit may have gone
-    // through unseen. A re-run is safe for lines with an event_id (they
-    // are answered from the log) and may store again those without one.
-    #[error("lines {first}–{last} (session {session}) could not be confirmed stored: {cause}")]
+    // "Could not be confirmed stored" when the last attempt's commit may
+    // have gone through unseen (a re-run is safe for lines with an
+    // event_id, answered from the log, and may store again those without
+    // one); "were not stored" when the storage said nothing was.
+    #[error("lines {first}–{last} (session {session}) {}: {cause}", if cause.may_be_stored() { "could not be confirmed stored" } else { "were not stored" })]
     LinesNotStored {
         /// The run's first line.
         first: usize,

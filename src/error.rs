@@ -334,6 +334,17 @@ impl Error {
             Error::Conflict { .. } | Error::Unavailable(_) | Error::OutcomeUnknown(_)
         )
     }
+
+    /// Whether an append that failed with this error may have been stored
+    /// all the same: its outcome is unknown, itself or as the last word of
+    /// its retries. Every other failure of an append stored nothing.
+    pub fn may_be_stored(&self) -> bool {
+        match self {
+            Error::OutcomeUnknown(_) => true,
+            Error::RetriesExhausted { last, .. } => last.may_be_stored(),
+            _ => false,
+        }
+    }
 }
 
 /// Shorthand for store results.
@@ -503,5 +514,24 @@ mod redaction_and_chain_tests {
                 .count(),
             1
         );
+    }
+
+    #[test]
+    fn only_an_unknown_outcome_may_be_stored() {
+        let unknown = || Error::OutcomeUnknown("cut".to_owned());
+        let retried = |last: Error| Error::RetriesExhausted {
+            session_id: Uuid::nil(),
+            attempts: 2,
+            last: Box::new(last),
+        };
+        assert!(unknown().may_be_stored());
+        assert!(retried(unknown()).may_be_stored());
+        for stored_nothing in [
+            Error::Unavailable("full".to_owned()),
+            Error::Database("x".to_owned()),
+            retried(Error::Unavailable("down".to_owned())),
+        ] {
+            assert!(!stored_nothing.may_be_stored(), "{stored_nothing}");
+        }
     }
 }

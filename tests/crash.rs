@@ -243,6 +243,10 @@ fn full_disk_during_import(
         // The server (or SQLite, in this process) said the write failed:
         // its outcome is known, nothing of the failed run was stored.
         assert!(!stderr.contains("may or may not be stored"), "{stderr}");
+        assert!(
+            !stderr.contains("could not be confirmed stored"),
+            "{stderr}"
+        );
         // The group's failure wraps the cause once.
         assert!(
             stderr.matches("committed in failed").count() <= 1,

@@ -804,7 +804,8 @@ pub(crate) enum OptimisticMiss {
     /// by the deadline (it may have committed: told as an unknown outcome),
     /// or another error of the database (told as it is).
     Failed(Error),
-    /// The server said the call failed before it committed (a full disk, a
+    /// The call never went out (no connection could be had from the pool)
+    /// or the server said it failed before it committed (a full disk, a
     /// lock or statement timeout, a serialization failure): nothing was
     /// written, and the group's appends are told so, not that their
     /// outcome is unknown.
@@ -983,17 +984,37 @@ impl super::group::OptimisticTx for PgTx {
         // stops answering would otherwise hold this instance's appends
         // until the connection broke. Cut off, the call may have committed
         // (the group answers `OutcomeUnknown`).
-        let call = bind_writes(query, &b, self.unwritten).fetch_one(&pool);
-        let result = match self.deadline.map(|d| d + LOCK_TIMEOUT) {
-            None => call.await,
-            Some(limit) => match tokio::time::timeout(limit, call).await {
+        let cut_off = |limit: Duration| {
+            format!(
+                "PostgreSQL did not answer the append within {} s: the server may be stopped or cut off",
+                limit.as_secs_f64()
+            )
+        };
+        let until = self
+            .deadline
+            .map(|d| d + LOCK_TIMEOUT)
+            .map(|l| (l, tokio::time::Instant::now() + l));
+        // The connection first, on its own: a pool that has none to give
+        // (the server down, the pool's timeout) fails before anything is
+        // sent, so nothing can have been stored.
+        let acquired = match until {
+            None => pool.acquire().await,
+            Some((limit, at)) => match tokio::time::timeout_at(at, pool.acquire()).await {
                 Ok(r) => r,
                 Err(_) => {
-                    return Err(OptimisticMiss::Failed(Error::Unavailable(format!(
-                        "PostgreSQL did not answer the append within {} s: the server may be stopped or cut off",
-                        limit.as_secs_f64()
+                    return Err(OptimisticMiss::NotStored(Error::Unavailable(cut_off(
+                        limit,
                     ))))
                 }
+            },
+        };
+        let mut conn = acquired.map_err(|e| OptimisticMiss::NotStored(Error::from_sqlx(e)))?;
+        let call = bind_writes(query, &b, self.unwritten).fetch_one(&mut *conn);
+        let result = match until {
+            None => call.await,
+            Some((limit, at)) => match tokio::time::timeout_at(at, call).await {
+                Ok(r) => r,
+                Err(_) => return Err(OptimisticMiss::Failed(Error::Unavailable(cut_off(limit)))),
             },
         }
         .and_then(|row| sqlx::Row::try_get::<i64, _>(&row, 0));
