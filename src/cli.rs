@@ -939,13 +939,18 @@ async fn run_on(
                         events.push(p.event);
                         line_numbers.push(n);
                     }
-                    Err(e @ CliError::Line { .. }) => {
+                    Err(CliError::Line { line, error }) => {
                         // SEMANTICS §2 judges the expected seq before the
-                        // events: an append of no events checks it (a
-                        // conflict answers first), then this line's error
-                        // (not JSON, not UTF-8, too long, not an event).
-                        store.append(session, expected_seq, Vec::new()).await?;
-                        return Err(e);
+                        // events, and the events one by one: the lines
+                        // before this one are judged first (a conflict, or
+                        // an earlier line's error, answers first), then
+                        // this line's (not JSON, not UTF-8, too long, not
+                        // an event). Nothing is stored.
+                        line_numbers.push(line);
+                        let refused = store
+                            .refuse_batch(None, session, expected_seq, events, error)
+                            .await;
+                        return Err(at_line(refused, &line_numbers));
                     }
                     Err(e) => return Err(e),
                 }

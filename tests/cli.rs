@@ -435,6 +435,36 @@ fn append_prints_seqs_and_a_conflict_exits_3() {
         );
         let history = stdout(&run(&db.url, &["history", S, "--json"], None));
         assert_eq!(history.lines().count(), 3, "{backend}");
+        // §2 judges the events one by one: an earlier line's error answers
+        // before a later line that cannot be read as an event (unknown
+        // field, not JSON); with the earlier lines valid, the later one's.
+        let result = r#"{"type":"tool_result","call_id":"x","tool_name":"y","status":"success"}"#;
+        let prompt = r#"{"type":"prompt_submitted","text":"ok"}"#;
+        for unreadable in [
+            r#"{"type":"prompt_submitted","text":"x","bogus":1}"#,
+            "not json",
+            r#"{"type":"prompt_submitted"}"#,
+        ] {
+            for (first, second, line, rule) in [
+                (prompt, result, "line 2", "result-without-call"),
+                (result, prompt, "line 1", "result-without-call"),
+                (prompt, prompt, "line 3", ""),
+            ] {
+                let batch = format!("{first}\n{second}\n{unreadable}\n{prompt}");
+                let out = run(&db.url, &["append", S, "--expected-seq", "3"], Some(&batch));
+                assert_eq!(out.status.code(), Some(1), "{backend}: {batch}");
+                let said = stderr(&out);
+                assert!(
+                    said.starts_with(&format!("session-store: {line}: ")) && said.contains(rule),
+                    "{backend}: {batch}: {said}"
+                );
+                // A stale expected seq still answers first.
+                let out = run(&db.url, &["append", S, "--expected-seq", "2"], Some(&batch));
+                assert_eq!(out.status.code(), Some(3), "{backend}: {}", stderr(&out));
+            }
+        }
+        let history = stdout(&run(&db.url, &["history", S, "--json"], None));
+        assert_eq!(history.lines().count(), 3, "{backend}");
         // A batch over --max-batch-events is refused whole at the first
         // line past it, after the expected seq; at the bound, it is stored.
         let prompts = |n: usize| -> String {

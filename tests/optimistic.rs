@@ -858,3 +858,87 @@ both_backends!(
         other.close().await;
     }
 );
+
+// A batch with an event that could not be read as one (`refuse_batch`,
+// what the CLI and the HTTP server call for it) is judged up to it as any
+// batch is (SEMANTICS §2: the expected seq, then each event before it),
+// and refused; on SQLite its valid rows were sent ahead first, and the
+// refusal leaves none of them behind.
+both_backends!(
+    a_batch_refused_for_an_unreadable_event_leaves_nothing_behind,
+    |url: String| async move {
+        let store = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        store
+            .append(s, 0, vec![started(), catalog(&["Deploy"])])
+            .await
+            .unwrap();
+        store.append(s, 2, vec![prompt("warm")]).await.unwrap();
+        let unreadable = || {
+            session_store::ValidationError::new(
+                Rule::UnknownField,
+                Some("bogus"),
+                "unknown field `bogus`",
+            )
+        };
+        let before_feed = store.feed(0, 10_000).await.unwrap();
+
+        // Every event before it valid: the unreadable one's error, at its
+        // index, after rows were sent ahead on SQLite.
+        let before = store.append_paths();
+        match store
+            .refuse_batch(None, s, 3, long_batch(0, 59), unreadable())
+            .await
+        {
+            Error::Invalid(v) => assert_eq!((v.rule, v.index), (Rule::UnknownField, Some(59))),
+            other => panic!("{other:?}"),
+        }
+        if !is_pg(&store) {
+            assert_eq!(since(&store, before).sends_ahead, 3);
+        }
+        // An earlier event's error answers first; a stale expected seq
+        // before any; with no event before it, index 0.
+        let mut early = long_batch(0, 30);
+        early[10] = result("never-called", "Deploy", &[]);
+        match store.refuse_batch(None, s, 3, early, unreadable()).await {
+            Error::Invalid(v) => {
+                assert_eq!((v.rule, v.index), (Rule::ResultWithoutCall, Some(10)))
+            }
+            other => panic!("{other:?}"),
+        }
+        match store
+            .refuse_batch(None, s, 2, long_batch(0, 3), unreadable())
+            .await
+        {
+            Error::Conflict { current, .. } => assert_eq!(current, 3),
+            other => panic!("{other:?}"),
+        }
+        match store
+            .refuse_batch(None, s, 3, Vec::new(), unreadable())
+            .await
+        {
+            Error::Invalid(v) => assert_eq!(v.index, Some(0)),
+            other => panic!("{other:?}"),
+        }
+        // A batch whose first events are stored is partly stored (the
+        // retry check comes first), never answered as a replay.
+        let stored: Vec<NewEvent> = long_batch(0, 2)
+            .into_iter()
+            .map(|e| e.with_id(Uuid::new_v4()))
+            .collect();
+        store.append(s, 3, stored.clone()).await.unwrap();
+        match store.refuse_batch(None, s, 5, stored, unreadable()).await {
+            Error::Invalid(v) => assert_eq!(v.rule, Rule::PartlyStoredBatch),
+            other => panic!("{other:?}"),
+        }
+
+        // Nothing else stored; the positions go on without a hole.
+        assert_eq!(store.head_seq(s).await.unwrap(), 5);
+        let feed = store.feed(0, 10_000).await.unwrap();
+        assert_eq!(feed.len(), before_feed.len() + 2);
+        let ok = store.append(s, 5, long_batch(10, 59)).await.unwrap();
+        assert_eq!(ok.events[0].position, feed.len() as i64 + 1);
+        agrees_with_the_log(&store, s).await;
+        store.close().await;
+    }
+);

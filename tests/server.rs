@@ -486,6 +486,39 @@ both_backends!(every_documented_status, |url: String| async move {
         "{text}"
     );
     assert!(text.contains("session_store_http_request_duration_seconds_count{route=\"/v1/sessions/{id}/events\",method=\"POST\",status=\"409\"} 1"), "{text}");
+    // §2 judges the events one by one: an earlier event's error answers
+    // before a later event that cannot be read (an unknown field, not an
+    // object), and a stale expected seq before both.
+    for unreadable in [
+        json!({"type": "prompt_submitted", "text": "x", "bogus": 1}),
+        json!("not an event"),
+    ] {
+        let batch = |expected: i64| {
+            json!({"expected_seq": expected, "events": [
+                {"type": "prompt_submitted", "text": "ok"},
+                {"type": "tool_result", "call_id": "nope", "tool_name": "grep", "status": "success"},
+                unreadable.clone(),
+            ]})
+        };
+        let (s, v) = post(&app, &uri, None, &batch(6)).await;
+        assert_error(s, &v, StatusCode::UNPROCESSABLE_ENTITY, "invalid");
+        assert_eq!(
+            (v["rule"].as_str(), v["index"].as_i64()),
+            (Some("result-without-call"), Some(1)),
+            "{v}"
+        );
+        let (s, v) = post(&app, &uri, None, &batch(5)).await;
+        assert_error(s, &v, StatusCode::CONFLICT, "conflict");
+        let valid_first = json!({"expected_seq": 6, "events": [
+            {"type": "prompt_submitted", "text": "ok"},
+            unreadable.clone(),
+        ]});
+        let (s, v) = post(&app, &uri, None, &valid_first).await;
+        assert_error(s, &v, StatusCode::UNPROCESSABLE_ENTITY, "invalid");
+        assert_eq!(v["index"], 1, "{v}");
+    }
+    assert_eq!(store.head_seq(id).await.unwrap(), 6);
+
     let (s, v) = get(&app, "/openapi.json", None).await;
     assert_eq!(s, StatusCode::OK);
     assert!(v["openapi"].as_str().unwrap().starts_with("3."));

@@ -751,14 +751,16 @@ impl From<&Appended> for AppendedEvent {
     }
 }
 
-/// An append body's events, or the first thing wrong with one of them.
-type ParsedEvents = Result<Vec<NewEvent>, ApiError>;
+/// An append body's events up to the first that cannot be read as an
+/// event, and that one's error (at its index).
+type ParsedEvents = (Vec<NewEvent>, Option<ValidationError>);
 
 /// Parses an append body into `(expected_seq, events)`, with the rule,
 /// field and batch index of whatever is wrong. A body whose envelope is
-/// wrong is an error at once; an event that is wrong is returned as the
-/// inner error, judged only after the expected seq (SEMANTICS §2: a stale
-/// writer hears of the conflict first).
+/// wrong is an error at once; an event that is wrong is returned beside
+/// the events before it, and judged after them (SEMANTICS §2: a stale
+/// writer hears of the conflict first, and the events are judged one by
+/// one, so an earlier event's error answers first).
 fn parse_append(body: &[u8], max_events: usize) -> Result<(i64, ParsedEvents), ApiError> {
     let malformed = |m: String| {
         let mut a = ApiError::bad_request(m);
@@ -850,20 +852,19 @@ fn parse_events(events: Vec<Value>) -> ParsedEvents {
     let mut batch = Vec::with_capacity(events.len());
     for (i, e) in events.into_iter().enumerate() {
         let Value::Object(obj) = e else {
-            return Err(ApiError::invalid(
-                &ValidationError::new(
-                    Rule::MalformedJson,
-                    None,
-                    format!("an event must be a JSON object, found {}", short(&e)),
-                )
-                .at_index(i),
-            ));
+            let v = ValidationError::new(
+                Rule::MalformedJson,
+                None,
+                format!("an event must be a JSON object, found {}", short(&e)),
+            );
+            return (batch, Some(v.at_index(i)));
         };
-        let parsed = parse_event_object(obj, LineKind::Append)
-            .map_err(|v| ApiError::invalid(&v.at_index(i)))?;
-        batch.push(parsed.event);
+        match parse_event_object(obj, LineKind::Append) {
+            Ok(parsed) => batch.push(parsed.event),
+            Err(v) => return (batch, Some(v.at_index(i))),
+        }
     }
-    Ok(batch)
+    (batch, None)
 }
 
 /// A JSON value's kind, for error sentences (never the value itself,
@@ -958,13 +959,9 @@ async fn append(
     let (expected_seq, parsed) = parse_append(&body, max_events).inspect_err(|_| {
         server.inner.metrics.append_outcome("invalid");
     })?;
-    let (events, invalid) = match parsed {
-        Ok(events) => (events, None),
-        // Judged with no events: the tenant, then the expected seq (a
-        // conflict, or another tenant's session, answers first), then
-        // this error.
-        Err(e) => (Vec::new(), Some(e)),
-    };
+    // With an event that could not be read, the batch is judged up to it
+    // (the tenant, the expected seq, the events before it) and refused.
+    let (events, invalid) = parsed;
     let refreshes = events.iter().filter(|e| e.body.is_refresh_point()).count() as u64;
     let n = events.len() as u64;
 
@@ -977,9 +974,16 @@ async fn append(
     let tenant = principal.tenant.clone();
     let started = Instant::now();
     let task = tokio::spawn(async move {
-        let r = store
-            .append_as(Some(&tenant), session_id, expected_seq, events)
-            .await;
+        let r = match invalid {
+            None => {
+                store
+                    .append_as(Some(&tenant), session_id, expected_seq, events)
+                    .await
+            }
+            Some(invalid) => Err(store
+                .refuse_batch(Some(&tenant), session_id, expected_seq, events, invalid)
+                .await),
+        };
         drop(guard);
         r
     });
@@ -993,12 +997,8 @@ async fn append(
     })?;
     let m = &server.inner.metrics;
     m.append_seconds.observe(started.elapsed().as_secs_f64());
-    match (result, invalid) {
-        (Ok(_), Some(invalid)) => {
-            m.append_outcome("invalid");
-            Err(invalid)
-        }
-        (Ok(outcome), None) => {
+    match result {
+        Ok(outcome) => {
             if outcome.replayed {
                 m.append_outcome("replayed");
             } else {
@@ -1013,7 +1013,7 @@ async fn append(
             };
             Ok((StatusCode::CREATED, Json(body)).into_response())
         }
-        (Err(e), _) => {
+        Err(e) => {
             m.append_outcome(match &e {
                 Error::Conflict { .. } => "conflict",
                 Error::Invalid(_) => "invalid",

@@ -41,7 +41,7 @@ use uuid::Uuid;
 
 use super::postgres::OptimisticMiss;
 use super::{append_in, Backend, LogTx, StateCache, StoreOptions, Warm};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, ValidationError};
 use crate::event::{EventBody, NewEvent};
 use crate::store::AppendOutcome;
 
@@ -72,6 +72,10 @@ pub(crate) struct Pending {
     /// `None`: at whatever the head is (`append_at_head`).
     pub(crate) expected_seq: Option<i64>,
     pub(crate) events: Vec<NewEvent>,
+    /// The error of the batch's next event (at index `events.len()`),
+    /// which could not be read as an event: judged after the events
+    /// before it, as SEMANTICS §2 orders ([`crate::Store::refuse_batch`]).
+    pub(crate) invalid_tail: Option<ValidationError>,
     pub(crate) reply: oneshot::Sender<Result<AppendOutcome>>,
 }
 

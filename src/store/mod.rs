@@ -1141,8 +1141,42 @@ impl Store {
         expected_seq: i64,
         events: Vec<NewEvent>,
     ) -> Result<AppendOutcome> {
-        self.append_inner(tenant, session_id, Some(expected_seq), events)
+        self.append_inner(tenant, session_id, Some(expected_seq), events, None)
             .await
+    }
+
+    /// The answer to a batch whose event at index `events.len()` could not
+    /// be read as an event (`invalid`: not JSON, not an object, a missing,
+    /// mistyped or unknown field), with `events` the ones before it. Nothing
+    /// is written. The batch is judged as [`Store::append_as`] judges one,
+    /// in SEMANTICS §2's order: the tenant, the idempotent-retry check, the
+    /// expected seq, then each event before the unreadable one against the
+    /// session as it stands after the ones before it; only if all of those
+    /// pass is the answer `invalid` itself (at its index).
+    pub async fn refuse_batch(
+        &self,
+        tenant: Option<&str>,
+        session_id: Uuid,
+        expected_seq: i64,
+        events: Vec<NewEvent>,
+        invalid: ValidationError,
+    ) -> Error {
+        let at = events.len();
+        let invalid = invalid.at_index(at);
+        match self
+            .append_inner(
+                tenant,
+                session_id,
+                Some(expected_seq),
+                events,
+                Some(invalid.clone()),
+            )
+            .await
+        {
+            Err(e) => e,
+            // Not reached: a batch with an invalid tail is never accepted.
+            Ok(_) => Error::Invalid(invalid),
+        }
     }
 
     /// The append of [`Store::append_as`]; `expected_seq: None` appends at
@@ -1161,8 +1195,9 @@ impl Store {
         session_id: Uuid,
         expected_seq: Option<i64>,
         events: Vec<NewEvent>,
+        invalid_tail: Option<ValidationError>,
     ) -> Result<AppendOutcome> {
-        let append = self.append_once(tenant, session_id, expected_seq, events);
+        let append = self.append_once(tenant, session_id, expected_seq, events, invalid_tail);
         let Some(deadline) = self.options.write_deadline else {
             return append.await;
         };
@@ -1189,6 +1224,7 @@ impl Store {
         session_id: Uuid,
         expected_seq: Option<i64>,
         events: Vec<NewEvent>,
+        invalid_tail: Option<ValidationError>,
     ) -> Result<AppendOutcome> {
         check_batch_ids(&events)?;
         let (reply, mut answer) = tokio::sync::oneshot::channel();
@@ -1197,6 +1233,7 @@ impl Store {
             session_id,
             expected_seq,
             events,
+            invalid_tail,
             reply,
         };
         match self.queue.lock() {
@@ -1289,7 +1326,7 @@ impl Store {
         loop {
             attempts += 1;
             let result = self
-                .append_inner(None, session_id, None, events.clone())
+                .append_inner(None, session_id, None, events.clone(), None)
                 .await;
             if let Err(Error::OutcomeUnknown(why)) = &result {
                 uncertain.get_or_insert_with(|| why.clone());
@@ -1876,6 +1913,7 @@ pub(crate) async fn append_in<T: LogTx>(
         p.session_id,
         p.expected_seq,
         &p.events,
+        p.invalid_tail.as_ref(),
         options,
         &mut wrote,
     )
@@ -1897,6 +1935,7 @@ async fn judge_and_write<T: LogTx>(
     session_id: Uuid,
     expected_seq: Option<i64>,
     events: &[NewEvent],
+    invalid_tail: Option<&ValidationError>,
     options: &StoreOptions,
     wrote: &mut bool,
 ) -> Result<AppendOutcome> {
@@ -1943,9 +1982,12 @@ async fn judge_and_write<T: LogTx>(
                 .into());
             }
         }
-        let all_stored = events
-            .iter()
-            .all(|e| e.event_id.is_some_and(|id| by_id.contains_key(&id)));
+        // A batch with an event that could not be read is never all
+        // stored: it is partly stored, or judged on.
+        let all_stored = invalid_tail.is_none()
+            && events
+                .iter()
+                .all(|e| e.event_id.is_some_and(|id| by_id.contains_key(&id)));
         let answer: Vec<Appended> = events
             .iter()
             .filter_map(|e| e.event_id.and_then(|id| by_id.get(&id)))
@@ -1969,7 +2011,7 @@ async fn judge_and_write<T: LogTx>(
             format!(
                 "{} of the batch's {} events {} already stored; retry exactly the batch that was sent, or only the new events",
                 answer.len(),
-                events.len(),
+                events.len() + usize::from(invalid_tail.is_some()),
                 if answer.len() == 1 { "is" } else { "are" }
             )
         };
@@ -1985,6 +2027,9 @@ async fn judge_and_write<T: LogTx>(
             expected,
             current: head,
         });
+    }
+    if let (true, Some(invalid)) = (events.is_empty(), invalid_tail) {
+        return Err(invalid.clone().into());
     }
     if events.is_empty() {
         return Ok(AppendOutcome {
@@ -2149,6 +2194,11 @@ async fn judge_and_write<T: LogTx>(
                 i = end;
             }
         }
+    }
+    // Every event before an unreadable one passed: the batch is refused
+    // for that one.
+    if let Some(invalid) = invalid_tail {
+        return Err(invalid.clone().into());
     }
     // Accepted: reserve positions (a rejected batch must not take any, or
     // the global order would have holes) and write.
