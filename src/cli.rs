@@ -925,16 +925,24 @@ async fn run_on(
             let mut events = Vec::new();
             let mut line_numbers = Vec::new();
             for line in lines {
-                match parse_input_line(line, LineKind::Append, max_bytes) {
-                    Ok((n, _)) if events.len() >= max_batch_events as usize => {
-                        // As for a bad line: the expected seq first.
-                        store.append(session, expected_seq, Vec::new()).await?;
-                        return Err(CliError::Input(format!(
-                            "line {n}: the batch holds more than {max_batch_events} events (--max-batch-events): \
-                             one append is one transaction, judged and written in memory; nothing was stored. \
-                             Append fewer at a time, or use `import`, which stores a long input in runs"
-                        )));
+                let parsed = parse_input_line(line, LineKind::Append, max_bytes);
+                let past_the_bound = match &parsed {
+                    Ok((n, _)) | Err(CliError::Line { line: n, .. }) => {
+                        Some(*n).filter(|_| events.len() >= max_batch_events as usize)
                     }
+                    Err(_) => None,
+                };
+                if let Some(n) = past_the_bound {
+                    // A line past the bound, readable or not: the expected
+                    // seq first, then the bound.
+                    store.append(session, expected_seq, Vec::new()).await?;
+                    return Err(CliError::Input(format!(
+                        "line {n}: the batch holds more than {max_batch_events} events (--max-batch-events): \
+                         one append is one transaction, judged and written in memory; nothing was stored. \
+                         Append fewer at a time, or use `import`, which stores a long input in runs"
+                    )));
+                }
+                match parsed {
                     Ok((n, p)) => {
                         events.push(p.event);
                         line_numbers.push(n);

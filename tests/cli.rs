@@ -440,15 +440,18 @@ fn append_prints_seqs_and_a_conflict_exits_3() {
         // field, not JSON); with the earlier lines valid, the later one's.
         let result = r#"{"type":"tool_result","call_id":"x","tool_name":"y","status":"success"}"#;
         let prompt = r#"{"type":"prompt_submitted","text":"ok"}"#;
-        for unreadable in [
-            r#"{"type":"prompt_submitted","text":"x","bogus":1}"#,
-            "not json",
-            r#"{"type":"prompt_submitted"}"#,
+        for (unreadable, its_rule) in [
+            (
+                r#"{"type":"prompt_submitted","text":"x","bogus":1}"#,
+                "unknown-field",
+            ),
+            ("not json", "malformed-json"),
+            (r#"{"type":"prompt_submitted"}"#, "missing-field"),
         ] {
             for (first, second, line, rule) in [
                 (prompt, result, "line 2", "result-without-call"),
                 (result, prompt, "line 1", "result-without-call"),
-                (prompt, prompt, "line 3", ""),
+                (prompt, prompt, "line 3", its_rule),
             ] {
                 let batch = format!("{first}\n{second}\n{unreadable}\n{prompt}");
                 let out = run(&db.url, &["append", S, "--expected-seq", "3"], Some(&batch));
@@ -490,6 +493,17 @@ fn append_prints_seqs_and_a_conflict_exits_3() {
             stderr(&out).contains(
                 "line 4: the batch holds more than 3 events (--max-batch-events): one append is one transaction"
             ),
+            "{backend}: {}",
+            stderr(&out)
+        );
+        // The bound holds whether the line past it is readable or not.
+        let out = run(
+            &db.url,
+            &capped("3"),
+            Some(&format!("{}not json\n", prompts(3))),
+        );
+        assert!(
+            stderr(&out).contains("line 4: the batch holds more than 3 events"),
             "{backend}: {}",
             stderr(&out)
         );

@@ -421,9 +421,10 @@ async fn optimistic<T: OptimisticTx>(
             return Some(group);
         }
         Err(OptimisticMiss::NotStored(e)) => {
-            // The server said the call failed before its commit: nothing
-            // is stored, said as it is (a full disk stays "storage
-            // unavailable", not an unknown outcome).
+            // The call never went out (no connection), or the server said
+            // it failed before its commit: nothing is stored, said as it
+            // is (a full disk stays "storage unavailable", not an unknown
+            // outcome).
             for p in group {
                 let _ = p.reply.send(Err(again(&e)));
             }

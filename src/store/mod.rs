@@ -1161,21 +1161,27 @@ impl Store {
         events: Vec<NewEvent>,
         invalid: ValidationError,
     ) -> Error {
-        let at = events.len();
-        let invalid = invalid.at_index(at);
+        let invalid = invalid.at_index(events.len());
         match self
             .append_inner(
                 tenant,
                 session_id,
                 Some(expected_seq),
                 events,
-                Some(invalid.clone()),
+                Some(invalid),
             )
             .await
         {
+            // A batch with an unreadable event is never written, whatever
+            // became of the attempt: not "may or may not be stored".
+            Err(Error::OutcomeUnknown(why)) => Error::Unavailable(format!(
+                "{why}; nothing of this batch was stored, since one of its events is not valid"
+            )),
             Err(e) => e,
-            // Not reached: a batch with an invalid tail is never accepted.
-            Ok(_) => Error::Invalid(invalid),
+            Ok(_) => Error::Database(
+                "a batch with an event that is not valid was accepted: this is a bug of the store"
+                    .to_owned(),
+            ),
         }
     }
 
@@ -1356,7 +1362,18 @@ impl Store {
                         last: Box::new(last),
                     });
                 }
-                Err(e) => return Err(e),
+                // A later attempt's failure of the database does not make
+                // an earlier unknown outcome known. (A judgement cannot
+                // follow one: a stored batch answers as a replay.)
+                Err(e @ (Error::Invalid(_) | Error::Conflict { .. })) => return Err(e),
+                Err(e) => {
+                    return Err(match uncertain {
+                        Some(why) => Error::OutcomeUnknown(format!(
+                            "{why}, and a later attempt failed ({e})"
+                        )),
+                        None => e,
+                    })
+                }
             }
         }
     }
@@ -2005,13 +2022,21 @@ async fn judge_and_write<T: LogTx>(
                 replayed: true,
             });
         }
-        let message = if all_stored {
+        let message = if let Some(invalid) = invalid_tail {
+            format!(
+                "{} of the batch's {} events {} already stored, and another is not valid ({}); send only the events not stored yet",
+                answer.len(),
+                events.len() + 1,
+                if answer.len() == 1 { "is" } else { "are" },
+                invalid.message
+            )
+        } else if all_stored {
             "every event of the batch is already stored, but in another order".to_owned()
         } else {
             format!(
                 "{} of the batch's {} events {} already stored; retry exactly the batch that was sent, or only the new events",
                 answer.len(),
-                events.len() + usize::from(invalid_tail.is_some()),
+                events.len(),
                 if answer.len() == 1 { "is" } else { "are" }
             )
         };

@@ -828,6 +828,21 @@ fn ended_before_commit(e: &sqlx::Error) -> bool {
     code.starts_with("53") || ["57014", "55P03", "40001", "40P01"].contains(&code.as_ref())
 }
 
+/// The error of an append's commit (a `COMMIT`, or the optimistic call
+/// that commits as it runs). An error the server answered with ended the
+/// statement, which then did not commit: said as it is ([`Error::from_sqlx`]).
+/// Anything else (a lost connection, a reply that could not be read or
+/// decoded) may have come after the commit: [`Error::OutcomeUnknown`].
+fn commit_error(e: sqlx::Error) -> Error {
+    if matches!(e, sqlx::Error::Database(_)) {
+        return Error::from_sqlx(e);
+    }
+    match Error::from_sqlx(e) {
+        Error::Unavailable(m) | Error::Database(m) => Error::OutcomeUnknown(m),
+        other => Error::OutcomeUnknown(other.to_string()),
+    }
+}
+
 /// The error of a read an optimistic transaction cannot answer; never
 /// seen by a caller (the group is judged again under the lock).
 fn optimistic_miss() -> Error {
@@ -1001,11 +1016,10 @@ impl super::group::OptimisticTx for PgTx {
             None => pool.acquire().await,
             Some((limit, at)) => match tokio::time::timeout_at(at, pool.acquire()).await {
                 Ok(r) => r,
-                Err(_) => {
-                    return Err(OptimisticMiss::NotStored(Error::Unavailable(cut_off(
-                        limit,
-                    ))))
-                }
+                Err(_) => return Err(OptimisticMiss::NotStored(Error::Unavailable(format!(
+                    "no connection to PostgreSQL was ready within {} s; the append was not sent",
+                    limit.as_secs_f64()
+                )))),
             },
         };
         let mut conn = acquired.map_err(|e| OptimisticMiss::NotStored(Error::from_sqlx(e)))?;
@@ -1037,7 +1051,7 @@ impl super::group::OptimisticTx for PgTx {
             Err(e) if ended_before_commit(&e) => {
                 Err(OptimisticMiss::NotStored(Error::from_sqlx(e)))
             }
-            Err(e) => Err(OptimisticMiss::Failed(Error::from_sqlx(e))),
+            Err(e) => Err(OptimisticMiss::Failed(commit_error(e))),
         }
     }
 }
@@ -1817,12 +1831,20 @@ impl PgTx {
             .await?;
         }
         match self.conn {
-            PgConn::Locked(tx) => match trip(self.deadline, tx.commit()).await {
-                Err(Error::Unavailable(m)) if unknown_on_lost_answer => {
-                    Err(Error::OutcomeUnknown(m))
+            PgConn::Locked(tx) => {
+                let commit = async {
+                    match tx.commit().await {
+                        Err(e) if unknown_on_lost_answer => Err(commit_error(e)),
+                        other => other.map_err(Error::from_sqlx),
+                    }
+                };
+                match within(self.deadline, commit).await {
+                    Err(Error::Unavailable(m)) if unknown_on_lost_answer => {
+                        Err(Error::OutcomeUnknown(m))
+                    }
+                    other => other,
                 }
-                other => other,
-            },
+            }
             PgConn::Optimistic(_) => Err(optimistic_miss()),
         }
     }
@@ -1841,5 +1863,26 @@ pub(crate) fn decode_change(r: PgChange) -> ChangeRow {
         tool,
         change,
         evidence_seq,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_commit_whose_reply_is_lost_or_unreadable_has_an_unknown_outcome() {
+        for e in [
+            sqlx::Error::Io(std::io::Error::other("connection reset")),
+            sqlx::Error::Protocol("unexpected message".to_owned()),
+            sqlx::Error::ColumnNotFound("base".to_owned()),
+            sqlx::Error::WorkerCrashed,
+        ] {
+            let said = e.to_string();
+            assert!(
+                matches!(commit_error(e), Error::OutcomeUnknown(_)),
+                "{said}"
+            );
+        }
     }
 }
