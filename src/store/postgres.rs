@@ -1016,10 +1016,12 @@ impl super::group::OptimisticTx for PgTx {
             None => pool.acquire().await,
             Some((limit, at)) => match tokio::time::timeout_at(at, pool.acquire()).await {
                 Ok(r) => r,
-                Err(_) => return Err(OptimisticMiss::NotStored(Error::Unavailable(format!(
+                Err(_) => {
+                    return Err(OptimisticMiss::NotStored(Error::Unavailable(format!(
                     "no connection to PostgreSQL was ready within {} s; the append was not sent",
                     limit.as_secs_f64()
-                )))),
+                ))))
+                }
             },
         };
         let mut conn = acquired.map_err(|e| OptimisticMiss::NotStored(Error::from_sqlx(e)))?;
