@@ -141,9 +141,13 @@ impl From<Error> for ApiError {
                 let said = e.to_string();
                 let full =
                     said.contains("disk is full") || said.contains("No space left on device");
-                let message = match full {
-                    true => "the database's disk is full; nothing was stored; try again once space is freed",
-                    false => "the database is unavailable; try again shortly",
+                // SQLite's file removed or replaced under the server: a
+                // retry cannot help until the operator acts.
+                let moved = said.contains("while the store was open");
+                let message = match (full, moved) {
+                    (true, _) => "the database's disk is full; nothing was stored; try again once space is freed",
+                    (false, true) => "the store's database file was removed or replaced while the server ran; nothing was stored; it answers again once the file is back and the server is restarted",
+                    (false, false) => "the database is unavailable; try again shortly",
                 };
                 ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message)
             }
@@ -179,8 +183,9 @@ impl IntoResponse for ApiError {
 mod tests {
     use super::*;
 
-    /// A full disk is said to the client (its operator can act on it); other
-    /// storage failures stay generic, since their causes may name paths.
+    /// A full disk and a removed store file are said to the client (its
+    /// operator can act on them); other storage failures stay generic,
+    /// since their causes may name paths.
     #[test]
     fn a_full_disk_is_named_and_other_causes_are_not() {
         for (cause, full) in [
@@ -197,5 +202,14 @@ mod tests {
             assert_eq!(said.contains("disk is full"), full, "{said}");
             assert!(!said.contains("/srv"), "{said}");
         }
+        // A removed store file is named (a retry cannot help), not its path.
+        let removed = "the store's file /srv/secret/s.db was removed while the store was open; nothing more is written until it is back and the store is opened again";
+        let e = ApiError::from(Error::Unavailable(removed.into()));
+        let said = &e.body.message;
+        assert!(
+            said.contains("removed or replaced") && said.contains("restarted"),
+            "{said}"
+        );
+        assert!(!said.contains("/srv"), "{said}");
     }
 }
