@@ -928,7 +928,11 @@ both_backends!(
             .collect();
         store.append(s, 3, stored.clone()).await.unwrap();
         match store.refuse_batch(None, s, 5, stored, unreadable()).await {
-            Error::Invalid(v) => assert_eq!(v.rule, Rule::PartlyStoredBatch),
+            // Said at the unreadable event: the ones after it were not read.
+            Error::Invalid(v) => {
+                assert_eq!((v.rule, v.index), (Rule::PartlyStoredBatch, Some(2)));
+                assert!(v.message.contains("2 of the 2 events before it"), "{v}");
+            }
             other => panic!("{other:?}"),
         }
 

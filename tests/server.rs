@@ -678,10 +678,18 @@ both_backends!(tokens_scopes_and_tenants, |url: String| async move {
             "{path}"
         );
     }
+    // Whatever the batch holds: an id named twice, an unreadable event.
+    let twice = json!({"event_id": Uuid::new_v4(), "type": "prompt_submitted", "text": "hijack"});
     for expected in [0, 3, 6] {
-        let b = json!({"expected_seq": expected, "events": [{"type": "prompt_submitted", "text": "hijack"}]});
-        let (s, v) = post(&app, &uri, Some(B_WRITER), &b).await;
-        assert_error(s, &v, StatusCode::NOT_FOUND, "not_found");
+        for events in [
+            json!([{"type": "prompt_submitted", "text": "hijack"}]),
+            json!([twice, twice]),
+            json!([{"type": "prompt_submitted", "text": "x"}, {"type": "nope"}]),
+        ] {
+            let b = json!({"expected_seq": expected, "events": events});
+            let (s, v) = post(&app, &uri, Some(B_WRITER), &b).await;
+            assert_error(s, &v, StatusCode::NOT_FOUND, "not_found");
+        }
     }
     assert_eq!(store.head_seq(id).await.unwrap(), 6, "b wrote nothing");
 

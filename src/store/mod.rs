@@ -1232,7 +1232,6 @@ impl Store {
         events: Vec<NewEvent>,
         invalid_tail: Option<ValidationError>,
     ) -> Result<AppendOutcome> {
-        check_batch_ids(&events)?;
         let (reply, mut answer) = tokio::sync::oneshot::channel();
         let pending = group::Pending {
             tenant: tenant.map(str::to_owned),
@@ -1975,7 +1974,11 @@ async fn judge_and_write<T: LogTx>(
     }
 
     // 1. Idempotent retry (the head, for step 2, is read in the same
-    // statement where the backend can).
+    // statement where the backend can). An `event_id` named twice in the
+    // batch is refused first (§2 lists it with the retry check's
+    // refusals), after the tenant: another tenant's session is not found,
+    // whatever the batch holds.
+    check_batch_ids(events)?;
     let ids: Vec<Uuid> = events.iter().filter_map(|e| e.event_id).collect();
     let (stored, head, head_hash) = tx.judge_reads(session_id, &ids).await?;
     if !stored.is_empty() {
@@ -2022,15 +2025,24 @@ async fn judge_and_write<T: LogTx>(
                 replayed: true,
             });
         }
-        let message = if let Some(invalid) = invalid_tail {
-            format!(
-                "{} of the batch's {} events {} already stored, and another is not valid ({}); send only the events not stored yet",
-                answer.len(),
-                events.len() + 1,
-                if answer.len() == 1 { "is" } else { "are" },
-                invalid.message
-            )
-        } else if all_stored {
+        if let Some(invalid) = invalid_tail {
+            // Said at the unreadable event (its line, its index), since the
+            // events after it were not read.
+            let mut refused = ValidationError::new(
+                Rule::PartlyStoredBatch,
+                Some("event_id"),
+                format!(
+                    "this event is not valid ({}), and {} of the {} events before it {} already stored; send only the events not stored yet",
+                    invalid.message,
+                    answer.len(),
+                    events.len(),
+                    if answer.len() == 1 { "is" } else { "are" },
+                ),
+            );
+            refused.index = invalid.index;
+            return Err(refused.into());
+        }
+        let message = if all_stored {
             "every event of the batch is already stored, but in another order".to_owned()
         } else {
             format!(
