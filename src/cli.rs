@@ -1313,7 +1313,8 @@ async fn audit(store: &Store, query: AuditCommand, out: &mut dyn Write) -> Resul
                     to_position,
                     after_position,
                 })
-                .await?;
+                .await
+                .map_err(in_flags)?;
             if scope.json {
                 return print_json(out, &page);
             }
@@ -1351,7 +1352,8 @@ async fn audit(store: &Store, query: AuditCommand, out: &mut dyn Write) -> Resul
                     change,
                     after: scope.after.clone(),
                 })
-                .await?;
+                .await
+                .map_err(in_flags)?;
             if scope.json {
                 return print_json(out, &page);
             }
@@ -1384,7 +1386,8 @@ async fn audit(store: &Store, query: AuditCommand, out: &mut dyn Write) -> Resul
                     kind,
                     after: scope.after.clone(),
                 })
-                .await?;
+                .await
+                .map_err(in_flags)?;
             if scope.json {
                 return print_json(out, &page);
             }
@@ -1397,6 +1400,38 @@ async fn audit(store: &Store, query: AuditCommand, out: &mut dyn Write) -> Resul
             print_next(out, page.next)
         }
     }
+}
+
+/// The audit queries' parameters and the flags that set them.
+const AUDIT_FLAGS: [(&str, &str); 11] = [
+    ("from_position", "--from-position"),
+    ("to_position", "--to-position"),
+    ("after", "--after"),
+    ("since", "--since"),
+    ("until", "--until"),
+    ("tool", "--tool"),
+    ("type", "--type"),
+    ("change", "--change"),
+    ("limit", "--limit"),
+    ("session", "--session"),
+    ("tenant", "--tenant"),
+];
+
+/// An audit query's refusal in the CLI's words: the store names the
+/// parameters as HTTP does (`from_position`), the user typed flags.
+fn in_flags(e: Error) -> CliError {
+    let Error::Invalid(mut v) = e else {
+        return e.into();
+    };
+    for (name, flag) in AUDIT_FLAGS {
+        v.message = v
+            .message
+            .replace(&format!("`{name}`"), &format!("`{flag}`"));
+        if v.field.as_deref() == Some(name) {
+            v.field = Some(flag.to_owned());
+        }
+    }
+    Error::Invalid(v).into()
 }
 
 fn print_next(out: &mut dyn Write, next: Option<String>) -> Result<(), CliError> {

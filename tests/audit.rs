@@ -584,6 +584,17 @@ fn audit_pages_end_where_the_rows_do_and_refuse_negative_cursors() {
                 err.contains("-1") || err.contains("-3") || err.contains("-5"),
                 "{backend} {args:?}: {err}"
             );
+            // In the CLI's words: the flag typed, not the HTTP parameter.
+            if let Some(flag) = args.iter().find_map(|a| {
+                a.strip_prefix("--")
+                    .map(|f| f.split('=').next().unwrap_or(f))
+                    .filter(|f| *f != "at-prompt")
+            }) {
+                assert!(
+                    err.contains(&format!("field `--{flag}`")) && !err.contains("_position"),
+                    "{backend} {args:?}: {err}"
+                );
+            }
         }
     }
 }
