@@ -2002,12 +2002,6 @@ async fn judge_and_write<T: LogTx>(
                 .into());
             }
         }
-        // A batch with an event that could not be read is never all
-        // stored: it is partly stored, or judged on.
-        let all_stored = invalid_tail.is_none()
-            && events
-                .iter()
-                .all(|e| e.event_id.is_some_and(|id| by_id.contains_key(&id)));
         let answer: Vec<Appended> = events
             .iter()
             .filter_map(|e| e.event_id.and_then(|id| by_id.get(&id)))
@@ -2017,17 +2011,10 @@ async fn judge_and_write<T: LogTx>(
                 position: p.position,
             })
             .collect();
-        let in_order = answer.windows(2).all(|w| w[0].seq < w[1].seq);
-        if all_stored && in_order {
-            debug!(session = %session_id, "idempotent retry answered from the log");
-            return Ok(AppendOutcome {
-                events: answer,
-                replayed: true,
-            });
-        }
         if let Some(invalid) = invalid_tail {
-            // Said at the unreadable event (its line, its index), since the
-            // events after it were not read.
+            // A batch with an event that could not be read is never all
+            // stored: partly stored, said at the unreadable event (its
+            // line, its index), since the events after it were not read.
             let mut refused = ValidationError::new(
                 Rule::PartlyStoredBatch,
                 Some("event_id"),
@@ -2041,6 +2028,17 @@ async fn judge_and_write<T: LogTx>(
             );
             refused.index = invalid.index;
             return Err(refused.into());
+        }
+        let all_stored = events
+            .iter()
+            .all(|e| e.event_id.is_some_and(|id| by_id.contains_key(&id)));
+        let in_order = answer.windows(2).all(|w| w[0].seq < w[1].seq);
+        if all_stored && in_order {
+            debug!(session = %session_id, "idempotent retry answered from the log");
+            return Ok(AppendOutcome {
+                events: answer,
+                replayed: true,
+            });
         }
         let message = if all_stored {
             "every event of the batch is already stored, but in another order".to_owned()
@@ -2065,14 +2063,14 @@ async fn judge_and_write<T: LogTx>(
             current: head,
         });
     }
-    if let (true, Some(invalid)) = (events.is_empty(), invalid_tail) {
-        return Err(invalid.clone().into());
-    }
     if events.is_empty() {
-        return Ok(AppendOutcome {
-            events: Vec::new(),
-            replayed: false,
-        });
+        return match invalid_tail {
+            Some(invalid) => Err(invalid.clone().into()),
+            None => Ok(AppendOutcome {
+                events: Vec::new(),
+                replayed: false,
+            }),
+        };
     }
 
     // 3. Catch the session state up to the head, then validate. The state

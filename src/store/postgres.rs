@@ -843,6 +843,18 @@ fn commit_error(e: sqlx::Error) -> Error {
     }
 }
 
+/// `f`, unless `until` (a limit and the instant it ends) passes first:
+/// then the limit, for the caller's message.
+async fn before<T>(
+    until: Option<(Duration, tokio::time::Instant)>,
+    f: impl std::future::Future<Output = T>,
+) -> std::result::Result<T, Duration> {
+    match until {
+        None => Ok(f.await),
+        Some((limit, at)) => tokio::time::timeout_at(at, f).await.map_err(|_| limit),
+    }
+}
+
 /// The error of a read an optimistic transaction cannot answer; never
 /// seen by a caller (the group is judged again under the lock).
 fn optimistic_miss() -> Error {
@@ -999,12 +1011,6 @@ impl super::group::OptimisticTx for PgTx {
         // stops answering would otherwise hold this instance's appends
         // until the connection broke. Cut off, the call may have committed
         // (the group answers `OutcomeUnknown`).
-        let cut_off = |limit: Duration| {
-            format!(
-                "PostgreSQL did not answer the append within {} s: the server may be stopped or cut off",
-                limit.as_secs_f64()
-            )
-        };
         let until = self
             .deadline
             .map(|d| d + LOCK_TIMEOUT)
@@ -1012,27 +1018,22 @@ impl super::group::OptimisticTx for PgTx {
         // The connection first, on its own: a pool that has none to give
         // (the server down, the pool's timeout) fails before anything is
         // sent, so nothing can have been stored.
-        let acquired = match until {
-            None => pool.acquire().await,
-            Some((limit, at)) => match tokio::time::timeout_at(at, pool.acquire()).await {
-                Ok(r) => r,
-                Err(_) => {
-                    return Err(OptimisticMiss::NotStored(Error::Unavailable(format!(
+        let mut conn = before(until, pool.acquire())
+            .await
+            .map_err(|limit| {
+                OptimisticMiss::NotStored(Error::Unavailable(format!(
                     "no connection to PostgreSQL was ready within {} s; the append was not sent",
                     limit.as_secs_f64()
-                ))))
-                }
-            },
-        };
-        let mut conn = acquired.map_err(|e| OptimisticMiss::NotStored(Error::from_sqlx(e)))?;
+                )))
+            })?
+            .map_err(|e| OptimisticMiss::NotStored(Error::from_sqlx(e)))?;
         let call = bind_writes(query, &b, self.unwritten).fetch_one(&mut *conn);
-        let result = match until {
-            None => call.await,
-            Some((limit, at)) => match tokio::time::timeout_at(at, call).await {
-                Ok(r) => r,
-                Err(_) => return Err(OptimisticMiss::Failed(Error::Unavailable(cut_off(limit)))),
-            },
-        }
+        let result = before(until, call).await.map_err(|limit| {
+            OptimisticMiss::Failed(Error::Unavailable(format!(
+                "PostgreSQL did not answer the append within {} s: the server may be stopped or cut off",
+                limit.as_secs_f64()
+            )))
+        })?
         .and_then(|row| sqlx::Row::try_get::<i64, _>(&row, 0));
         match result {
             Ok(base) => Ok(base),
@@ -1041,10 +1042,9 @@ impl super::group::OptimisticTx for PgTx {
             // was written. Any other error is the caller's: said as not
             // stored when the server answered with a cause that ends a
             // statement before its commit, and otherwise as `Failed`
-            // (a connection's failure, which may come after the commit and
-            // which a pooler may report as an error of its own, becomes an
-            // unknown outcome; the server's other refusals stay database
-            // errors).
+            // ([`commit_error`]: the server's other refusals stay as they
+            // are; a connection's failure, or a reply that could not be
+            // read, may come after the commit and is an unknown outcome).
             Err(sqlx::Error::Database(e))
                 if matches!(e.code().as_deref(), Some("SS001" | "SS002" | "23505")) =>
             {
