@@ -263,10 +263,40 @@ impl SessionState {
     /// compaction's check needs the calls of the window's results, which
     /// stay. Keeps a long session's state the size of its window.
     pub(crate) fn forget_calls_outside_window(&mut self) {
+        self.forget_calls_keeping_open(0);
+    }
+
+    /// [`SessionState::forget_calls_outside_window`], but keeping the
+    /// `keep_open` latest calls before the window that are not answered
+    /// yet: what the state cache holds. A compaction can leave a call
+    /// before its new window while its result is still to come (a
+    /// session several writers append to, a tool that runs across a
+    /// compaction). An optimistic append takes a call its state does not
+    /// know as absent, so that result would be refused from the cache and
+    /// its whole group judged again under the lock, every time. Bounded,
+    /// because calls that are never answered would otherwise pile up in a
+    /// long session's state; one dropped is only read again when named.
+    pub(crate) fn forget_calls_keeping_open(&mut self, keep_open: usize) {
         let window_start = self.window_start;
-        self.calls.retain(|_, c| {
-            c.seq >= window_start || c.result_seq.is_some_and(|r| r >= window_start)
-        });
+        let in_window =
+            |c: &CallInfo| c.seq >= window_start || c.result_seq.is_some_and(|r| r >= window_start);
+        // The seq from which unanswered calls before the window stay.
+        let mut open: Vec<i64> = self
+            .calls
+            .values()
+            .filter(|c| c.result_seq.is_none() && !in_window(c))
+            .map(|c| c.seq)
+            .collect();
+        let open_from = if open.len() <= keep_open {
+            i64::MIN
+        } else if keep_open == 0 {
+            i64::MAX
+        } else {
+            let at = open.len() - keep_open;
+            *open.select_nth_unstable(at).1
+        };
+        self.calls
+            .retain(|_, c| in_window(c) || (c.result_seq.is_none() && c.seq >= open_from));
         // The table's buckets stay after a retain: after a compaction of a
         // long window they would hold megabytes for a handful of calls.
         if self.calls.capacity() > 2 * self.calls.len() + 16 {
@@ -626,6 +656,41 @@ mod tests {
         assert!(state.calls.is_empty());
         assert!(state.calls.capacity() <= 16, "{}", state.calls.capacity());
         assert!(state.approx_bytes() < 16 << 10, "{}", state.approx_bytes());
+    }
+
+    /// The cache keeps the latest unanswered calls from before the window,
+    /// up to its bound, and every call the window needs; reads keep none
+    /// from before it.
+    #[test]
+    fn the_cache_keeps_the_latest_open_calls_before_the_window() {
+        let mut log = Log::new().push(started("agent")).push(prompt("go"));
+        for i in 0..10 {
+            log = log.push(call(&format!("open{i}"), "Read"));
+        }
+        log = log
+            .push(call("done", "Read"))
+            .push(result("done", "Read", Success, &[]));
+        let state = log
+            .push(compaction(None))
+            .push(call("late", "Read"))
+            .state();
+        let kept = |keep: usize| {
+            let mut s = state.clone();
+            s.forget_calls_keeping_open(keep);
+            let mut ids: Vec<String> = s.calls.keys().cloned().collect();
+            ids.sort();
+            ids
+        };
+        assert_eq!(kept(0), ["late"]);
+        assert_eq!(kept(3), ["late", "open7", "open8", "open9"]);
+        let mut all: Vec<String> = (0..10).map(|i| format!("open{i}")).collect();
+        all.push("late".into());
+        all.sort();
+        assert_eq!(kept(10), all);
+        assert_eq!(kept(64), all);
+        let mut read = state.clone();
+        read.forget_calls_outside_window();
+        assert_eq!(read.calls.len(), 1);
     }
 
     #[test]

@@ -186,6 +186,65 @@ both_backends!(
     }
 );
 
+// A compaction can leave a call before the window while its result is
+// still to come (several writers on one session; a tool that runs across a
+// compaction). The cache keeps the latest 64 such calls (`OPEN_CALLS_KEPT`
+// in src/store/mod.rs), so their results are judged from it; before, each
+// such result was refused from the cache and its group judged again under
+// the lock. An older one is still answered, under the lock.
+both_backends!(
+    a_result_for_a_call_before_the_window_stays_optimistic,
+    |url: String| async move {
+        let store = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        let mut head = 0;
+        let mut append = |batch: Vec<NewEvent>| {
+            let store = &store;
+            let at = head;
+            head += batch.len() as i64;
+            async move { store.append(s, at, batch).await.unwrap() }
+        };
+        append(vec![started(), catalog(&["Deploy"])]).await;
+        append(vec![prompt("deploy")]).await;
+        let calls: Vec<String> = (0..65).map(|i| format!("c{i}")).collect();
+        append(calls.iter().map(|c| call(c, "Deploy")).collect()).await;
+        append(vec![compaction("65 deploys started"), prompt("go on")]).await;
+        // Warm again after the compaction's group (SQLite's first groups
+        // are locked until the log is seen quiet).
+        append(vec![prompt("still waiting")]).await;
+
+        let before = store.append_paths();
+        append(vec![result("c64", "Deploy", &[])]).await;
+        append(vec![result("c1", "Deploy", &[]), prompt("two done")]).await;
+        let paths = since(&store, before);
+        assert_eq!(
+            (paths.optimistic, paths.optimistic_abandoned, paths.locked),
+            (2, 0, 0),
+            "{paths:?}"
+        );
+
+        // c0 is the 65th open call before the window: forgotten by the
+        // cache, read under the lock, and accepted there.
+        let before = store.append_paths();
+        let outcome = append(vec![result("c0", "Deploy", &[])]).await;
+        assert_eq!(outcome.events.len(), 1);
+        let paths = since(&store, before);
+        assert_eq!(
+            (paths.optimistic, paths.optimistic_abandoned, paths.locked),
+            (1, 1, 1),
+            "{paths:?}"
+        );
+        // Answered calls are refused a second result, cached or not.
+        let again = store
+            .append(s, head, vec![result("c64", "Deploy", &[])])
+            .await
+            .unwrap_err();
+        assert!(matches!(again, Error::Invalid(_)), "{again:?}");
+        agrees_with_the_log(&store, s).await;
+        store.close().await;
+    }
+);
+
 // Judged against the cache, these look new or wrong; the log says
 // otherwise, and the log wins: each is answered as under the lock, the
 // optimistic attempt leaves nothing behind, and the next append is

@@ -295,6 +295,14 @@ impl Cell {
         }
         let (events, appends) = join(tasks).await?;
         let elapsed = start.elapsed().as_secs_f64();
+        let paths = store.append_paths();
+        tracing::debug!(
+            locked = paths.locked,
+            optimistic = paths.optimistic,
+            abandoned = paths.optimistic_abandoned,
+            appends,
+            "append cell's groups by path"
+        );
         Ok(Measured {
             rate: events as f64 / elapsed,
             appends,

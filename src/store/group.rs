@@ -377,7 +377,7 @@ async fn optimistic<T: OptimisticTx>(
                 advanced.insert(p.session_id);
                 outcomes.push((i, outcome));
             }
-            Err(_) => {
+            Err(Failed { error, .. }) => {
                 paths
                     .sends_ahead
                     .fetch_add(tx.sends_ahead(), Ordering::Relaxed);
@@ -399,7 +399,7 @@ async fn optimistic<T: OptimisticTx>(
                     return None;
                 }
                 // Judged again under the lock, which has the last word.
-                tracing::debug!(session = %p.session_id, "optimistic append left to the locked path");
+                tracing::debug!(session = %p.session_id, %error, "optimistic append left to the locked path");
                 paths.abandoned.fetch_add(1, Ordering::Relaxed);
                 return Some(group);
             }

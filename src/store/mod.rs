@@ -99,6 +99,12 @@ enum Latest {
 /// used is dropped.
 const STATE_CACHE_SESSIONS: usize = 256;
 
+/// How many unanswered calls from before its window a cached state keeps
+/// ([`SessionState::forget_calls_keeping_open`]): at most about 10 KiB a
+/// state. Sixteen writers on one session each have at most one call in
+/// flight in the bench's mix; an agent runs a handful at once.
+const OPEN_CALLS_KEPT: usize = 64;
+
 /// How many groups of appends (one commit each, see `group`) this process
 /// committed each way: a figure for operators and tests, since the
 /// optimistic path is the one that makes an append one round trip
@@ -954,7 +960,7 @@ impl StateCache {
     /// would push it out. So the cache holds at most the budget and one
     /// state larger than it.
     pub(crate) fn put(&self, mut warm: Warm) {
-        warm.state.forget_calls_outside_window();
+        warm.state.forget_calls_keeping_open(OPEN_CALLS_KEPT);
         let bytes = warm.state.approx_bytes() + warm.known.as_ref().map_or(0, Known::approx_bytes);
         if let Ok(mut m) = self.0.lock() {
             let id = warm.state.session_id;

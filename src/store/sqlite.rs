@@ -875,7 +875,7 @@ pub(crate) struct SqliteTx {
     /// ahead ([`LogTx::send_ahead`]), behind the check of the heads.
     optimistic: bool,
     /// Calls index keys the optimistic judgement took as absent (the
-    /// cache forgets calls outside a window), checked by the commit.
+    /// cache forgets most calls before a window), checked by the commit.
     absent_calls: Vec<(Uuid, String)>,
     /// The sessions an optimistic judgement assumed, with their heads,
     /// checked by the commit.
