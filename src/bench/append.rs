@@ -265,6 +265,7 @@ impl Cell {
                 store.append(*s, 0, header).await?;
             }
         }
+        let paths_before = store.append_paths();
         let start = Instant::now();
         let deadline = start + self.duration;
         let mut tasks = Vec::new();
@@ -295,11 +296,12 @@ impl Cell {
         }
         let (events, appends) = join(tasks).await?;
         let elapsed = start.elapsed().as_secs_f64();
+        // This repeat's groups alone: one store serves every cell.
         let paths = store.append_paths();
         tracing::debug!(
-            locked = paths.locked,
-            optimistic = paths.optimistic,
-            abandoned = paths.optimistic_abandoned,
+            locked = paths.locked - paths_before.locked,
+            optimistic = paths.optimistic - paths_before.optimistic,
+            abandoned = paths.optimistic_abandoned - paths_before.optimistic_abandoned,
             appends,
             "append cell's groups by path"
         );

@@ -24,8 +24,9 @@
 //! appending to a long session does not re-read its history. An append moves
 //! the state out of the cache under the write lock and back after the commit
 //! (no clone), and the cache keeps only the calls of the effective window
-//! (the calls index has the rest), so neither the time of an append nor the
-//! memory of the cache grows with the session's history.
+//! and a bounded few unanswered ones before it (the calls index has the
+//! rest), so neither the time of an append nor the memory of the cache
+//! grows with the session's history.
 
 mod chain;
 mod explain;
@@ -943,7 +944,9 @@ impl StateCache {
     }
 
     /// Caches a state, keeping only the calls of its effective window (a
-    /// call or its result in it): the calls index holds the others, and
+    /// call or its result in it) and the latest [`OPEN_CALLS_KEPT`]
+    /// unanswered calls before it, whose results may still come
+    /// ([`SessionState::forget_calls_keeping_open`]): the calls index holds the others, and
     /// `prefetch_calls` loads any a batch names, so validation needs no
     /// more, and a long session's cached state stays the size of its
     /// window rather than of its history. A compaction's check needs the

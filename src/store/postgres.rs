@@ -1499,7 +1499,8 @@ impl LogTx for PgTx {
     async fn calls(&mut self, session_id: Uuid, call_ids: &[String]) -> Result<Vec<CallRow>> {
         if self.is_optimistic() {
             // Calls this transaction did not write are taken as absent
-            // (the cached state knows the window's; any other the batch
+            // (the cached state knows the window's and the latest
+            // unanswered ones before it; any other the batch
             // names is new or its result is refused, which the locked path
             // judges again); the write checks they are.
             for c in call_ids {
