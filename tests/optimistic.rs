@@ -268,6 +268,62 @@ both_backends!(
     }
 );
 
+// Two instances taking turns on one session (a load balancer without
+// affinity): each turn's optimistic call would find the head moved, then
+// read the session cold and judge it again under the lock. After the first
+// miss the session goes to the lock directly, caught up from the cache;
+// once the other instance stops, a locked group finds the session quiet and
+// the next one is optimistic again.
+both_backends!(
+    instances_taking_turns_go_to_the_lock_directly,
+    |url: String| async move {
+        let store = Store::open(&url).await.unwrap();
+        let other = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        async fn at_head(store: &Store, s: Uuid, batch: Vec<NewEvent>) {
+            let policy = RetryPolicy::default();
+            store.append_at_head(s, batch, &policy).await.unwrap();
+        }
+        at_head(&store, s, vec![started(), catalog(&["Deploy"])]).await;
+        at_head(&store, s, vec![prompt("one")]).await;
+        at_head(&store, s, vec![prompt("two")]).await;
+        let before = store.append_paths();
+        for turn in 0..6 {
+            at_head(&other, s, vec![prompt(&format!("other {turn}"))]).await;
+            at_head(&store, s, vec![prompt(&format!("this {turn}"))]).await;
+        }
+        let paths = since(&store, before);
+        if is_pg(&store) {
+            // One failed attempt, then the lock directly.
+            assert_eq!(
+                (paths.optimistic, paths.optimistic_abandoned, paths.locked),
+                (1, 1, 6),
+                "{paths:?}"
+            );
+        } else {
+            // SQLite already stays locked while the log is not quiet.
+            assert!(paths.optimistic_abandoned <= 1, "{paths:?}");
+            assert_eq!(paths.locked, 6, "{paths:?}");
+        }
+        // The other instance stops: one locked group finds the session
+        // quiet, the next is optimistic.
+        let before = store.append_paths();
+        for i in 0..3 {
+            at_head(&store, s, vec![prompt(&format!("alone {i}"))]).await;
+        }
+        let paths = since(&store, before);
+        assert_eq!(
+            (paths.optimistic, paths.optimistic_abandoned, paths.locked),
+            (2, 0, 1),
+            "{paths:?}"
+        );
+        agrees_with_the_log(&store, s).await;
+        agrees_with_the_log(&other, s).await;
+        store.close().await;
+        other.close().await;
+    }
+);
+
 // Judged against the cache, these look new or wrong; the log says
 // otherwise, and the log wins: each is answered as under the lock, the
 // optimistic attempt leaves nothing behind, and the next append is
@@ -364,24 +420,16 @@ both_backends!(
         }
         store.append(s, 11, vec![prompt("last")]).await.unwrap();
         let paths = since(&store, before);
-        if is_pg(&store) {
-            // The first write found the head moved and went to the lock;
-            // the stale expected seq was refused from the cache and again
-            // under the lock; the last append was optimistic and kept.
-            assert_eq!(paths.optimistic, 3, "{paths:?}");
-            assert_eq!(paths.optimistic_abandoned, 2, "{paths:?}");
-            assert_eq!(paths.locked, 2, "{paths:?}");
-        } else {
-            // The first write's check found the log moved: to the lock,
-            // which saw the log was not quiet, so the stale expected seq
-            // was judged under the lock (and refused); that group found
-            // the log quiet again, and the last append was optimistic.
-            assert_eq!(
-                (paths.optimistic, paths.optimistic_abandoned, paths.locked),
-                (2, 1, 2),
-                "{paths:?}"
-            );
-        }
+        // The first write's check found the head moved (SQLite: the log)
+        // and went to the lock; the session, marked as appended to by
+        // another writer, then goes to the lock directly: the stale
+        // expected seq is refused there, and the last append, locked too,
+        // finds the session quiet (the next one would be optimistic).
+        assert_eq!(
+            (paths.optimistic, paths.optimistic_abandoned, paths.locked),
+            (1, 1, 3),
+            "{paths:?}"
+        );
         assert_eq!(store.head_seq(s).await.unwrap(), 12);
         agrees_with_the_log(&store, s).await;
         store.close().await;

@@ -236,6 +236,10 @@ async fn run<T: LogTx>(
     tracing::debug!(appends = group.len(), "group commit");
     let mut local: HashMap<Uuid, Warm> = HashMap::new();
     let mut accepted = Vec::new();
+    // Per session, whether no other writer appended since this process's
+    // last group on it ([`StateCache::set_contended`]), as its first
+    // accepted append here found.
+    let mut quiet: Vec<(Uuid, bool)> = Vec::new();
     let mut broken: Option<Error> = None;
     for p in group {
         if p.reply.is_closed() {
@@ -247,15 +251,30 @@ async fn run<T: LogTx>(
             let _ = p.reply.send(Err(again(e)));
             continue;
         }
-        let mut cached = local
-            .remove(&p.session_id)
-            .or_else(|| states.take(p.session_id));
+        // The seq this process last left the session at, for its group's
+        // first append to it: whether another writer appended since.
+        let mut last_seen = None;
+        let mut cached = match local.remove(&p.session_id) {
+            Some(warm) => Some(warm),
+            None => {
+                let warm = states.take(p.session_id);
+                last_seen = warm.as_ref().map(|w| w.state.seq);
+                warm
+            }
+        };
         let result = append_in(&mut tx, &mut cached, &p, options).await;
         if let Some(state) = cached {
             local.insert(p.session_id, state);
         }
         match result {
-            Ok(outcome) => accepted.push((p.reply, outcome)),
+            Ok(outcome) => {
+                if let (Some(seen), Some(first), false) =
+                    (last_seen, outcome.events.first(), outcome.replayed)
+                {
+                    quiet.push((p.session_id, first.seq == seen + 1));
+                }
+                accepted.push((p.reply, outcome))
+            }
             Err(Failed { error, broken: b }) => {
                 if b {
                     broken = Some(again(&error));
@@ -291,6 +310,9 @@ async fn run<T: LogTx>(
             }
             for state in local.into_values() {
                 states.put(state);
+            }
+            for (session_id, quiet) in quiet {
+                states.set_contended(session_id, !quiet);
             }
             for (reply, outcome) in accepted {
                 let _ = reply.send(reply_after_commit(options, outcome));
@@ -335,6 +357,11 @@ async fn optimistic<T: OptimisticTx>(
     paths: &PathCounters,
     group: Vec<Pending>,
 ) -> Option<Vec<Pending>> {
+    // Another writer appended to one of these sessions between this
+    // process's last groups on it: the attempt's check would fail.
+    if states.any_contended(group.iter().map(|p| p.session_id)) {
+        return Some(group);
+    }
     let mut local: HashMap<Uuid, Warm> = HashMap::new();
     let mut heads: HashMap<Uuid, i64> = HashMap::new();
     for p in group.iter().filter(|p| !p.reply.is_closed()) {
@@ -418,6 +445,11 @@ async fn optimistic<T: OptimisticTx>(
         Err(OptimisticMiss::Rejected(why)) => {
             tracing::debug!(%why, "optimistic append refused by its checks; judged again under the lock");
             paths.abandoned.fetch_add(1, Ordering::Relaxed);
+            // Which session moved is not said: all of them go to the lock
+            // until a locked group finds each one quiet.
+            for p in &group {
+                states.set_contended(p.session_id, true);
+            }
             return Some(group);
         }
         Err(OptimisticMiss::NotStored(e)) => {

@@ -106,6 +106,10 @@ const STATE_CACHE_SESSIONS: usize = 256;
 /// flight in the bench's mix; an agent runs a handful at once.
 const OPEN_CALLS_KEPT: usize = 64;
 
+/// How many sessions the cache remembers as appended to by other writers
+/// ([`StateCache::set_contended`]); past it the marks are forgotten.
+const CONTENDED_KEPT: usize = 4_096;
+
 /// How many groups of appends (one commit each, see `group`) this process
 /// committed each way: a figure for operators and tests, since the
 /// optimistic path is the one that makes an append one round trip
@@ -797,6 +801,11 @@ pub(crate) struct Lru {
     over: Option<Uuid>,
     /// States dropped to make room, since the process started.
     evicted: u64,
+    /// Sessions another writer (instance or process) appended to between
+    /// two groups of this one, as last seen: their groups skip the
+    /// optimistic attempt, which would fail its check of the head
+    /// ([`StateCache::set_contended`]).
+    contended: HashSet<Uuid>,
 }
 
 /// One entry of [`Lru`].
@@ -907,7 +916,39 @@ impl StateCache {
             budget,
             over: None,
             evicted: 0,
+            contended: HashSet::new(),
         })))
+    }
+
+    /// Whether another writer appended to any of these sessions between
+    /// this process's last two groups on it.
+    pub(crate) fn any_contended(&self, sessions: impl IntoIterator<Item = Uuid>) -> bool {
+        self.0.lock().is_ok_and(|m| {
+            !m.contended.is_empty() && sessions.into_iter().any(|s| m.contended.contains(&s))
+        })
+    }
+
+    /// Notes whether another writer appended to `session_id` since this
+    /// process's last group on it. Instances that take turns on a session
+    /// (a load balancer without affinity) would otherwise pay, on every
+    /// turn, an optimistic call whose check of the head fails, then a cold
+    /// read of the session (the attempt's state is dropped) and the locked
+    /// path: a contended session goes to the lock directly, catching its
+    /// cached state up, until a locked group finds it was not appended to
+    /// by another writer. A mark lost (the set is bounded) costs one
+    /// failed attempt, never a wrong judgement: skipping the optimistic
+    /// path is always safe.
+    pub(crate) fn set_contended(&self, session_id: Uuid, contended: bool) {
+        if let Ok(mut m) = self.0.lock() {
+            if !contended {
+                m.contended.remove(&session_id);
+                return;
+            }
+            if m.contended.len() >= CONTENDED_KEPT {
+                m.contended.clear();
+            }
+            m.contended.insert(session_id);
+        }
     }
 
     /// A copy of the session's state (for reads).
