@@ -194,8 +194,9 @@ pub enum Command {
     Audit(AuditCommand),
     /// Print the global feed of every session's events in position order.
     Tail {
-        /// Start at this position (1, the beginning, by default).
-        #[arg(long, default_value_t = 1)]
+        /// Start at this position (1, the beginning, by default; 0 is the
+        /// beginning too, a negative one a usage error).
+        #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = clap::value_parser!(i64).range(0..))]
         from_position: i64,
         /// Keep waiting for new events (stop with Ctrl-C).
         #[arg(long)]
@@ -586,7 +587,8 @@ fn parse_at_seq(s: &str) -> Result<AtSeq, String> {
 }
 
 fn parse_session(s: &str) -> Result<Uuid, CliError> {
-    Uuid::parse_str(s).map_err(|_| CliError::Input(format!("{s:?} is not a session UUID")))
+    Uuid::parse_str(s)
+        .map_err(|_| CliError::Input(format!("{} is not a session UUID", crate::error::quoted(s))))
 }
 
 /// Runs one parsed command line, writing results to `out`.
@@ -888,14 +890,13 @@ async fn run_on(
                 1 => "; 1 pi entry on another branch dropped".to_owned(),
                 n => format!("; {n} pi entries on other branches dropped"),
             };
-            writeln!(
-                out,
+            let said = format!(
                 "imported {} into session {} ({} already stored{dropped})",
                 count(summary.written, "event"),
                 tree.session_id(),
                 summary.replayed
-            )
-            .map_err(io)?;
+            );
+            writeln!(out, "{said}").map_err(|e| unsaid(io(e), &said))?;
         }
         Command::Import {
             format: ImportFormat::Jsonl,
@@ -904,14 +905,13 @@ async fn run_on(
         } => {
             let lines = InputLines::new(input(file.as_ref())?, crate::event::line_limit(max_bytes));
             let summary = import_piped(store, lines, max_bytes).await?;
-            writeln!(
-                out,
+            let said = format!(
                 "imported {} into {} ({} already stored)",
                 count(summary.written, "event"),
                 count(summary.sessions, "session"),
                 summary.replayed
-            )
-            .map_err(io)?;
+            );
+            writeln!(out, "{said}").map_err(|e| unsaid(io(e), &said))?;
         }
         Command::Append {
             session,
@@ -968,7 +968,7 @@ async fn run_on(
                 .await
                 .map_err(|e| at_line(e, &line_numbers))?;
             for a in &outcome.events {
-                print_json(out, a)?;
+                print_json(out, a).map_err(|e| stored_unsaid(e, session, &outcome))?;
             }
         }
         Command::Context {
@@ -1594,6 +1594,36 @@ fn print_json<T: serde::Serialize>(out: &mut dyn Write, value: &T) -> Result<(),
     writeln!(out, "{text}").map_err(io)
 }
 
+/// An answer that could not be written after its batch was stored: said
+/// as stored, so that whoever reads the error does not take exit 1 for
+/// "nothing stored" and append the batch again (events without an
+/// `event_id` would then be stored twice).
+fn stored_unsaid(e: CliError, session: Uuid, outcome: &crate::store::AppendOutcome) -> CliError {
+    let (Some(first), Some(last)) = (outcome.events.first(), outcome.events.last()) else {
+        return e;
+    };
+    let how = match outcome.replayed {
+        true => "already stored",
+        false => "stored",
+    };
+    let said = format!(
+        "the batch was {how} at seqs {}-{} (`history {session} --after-seq {}` shows it)",
+        first.seq,
+        last.seq,
+        first.seq - 1
+    );
+    unsaid(e, &said)
+}
+
+/// `e`, an output that could not be written, said after what was done
+/// (`done`): the store changed, whatever the exit code.
+fn unsaid(e: CliError, done: &str) -> CliError {
+    match e {
+        CliError::Io(why) => CliError::Io(format!("{done}, but then {why}")),
+        other => other,
+    }
+}
+
 fn io(e: std::io::Error) -> CliError {
     match e.kind() {
         std::io::ErrorKind::BrokenPipe => CliError::OutputClosed,
@@ -2203,6 +2233,10 @@ async fn import_pi_once(
     // either: an error in the file is said first, whatever the store holds
     // or would refuse.
     let mut differs = None;
+    // The events past the head whose ids are still to be looked up: an id
+    // another session holds would be refused by the store (SEMANTICS §2)
+    // only once the runs before it were written.
+    let mut unlooked: Vec<Unlooked> = Vec::new();
     for p in tree.events(spool.lines()?) {
         let p = p?;
         let seq = made + 1;
@@ -2252,11 +2286,28 @@ async fn import_pi_once(
             let e = &p.event;
             let len = e.body.to_json_text().len();
             if let Err(v) = crate::validate::check_new_event(&state, e, len, max_bytes) {
-                differs = Some(PiAttempt::Failed(pi_refusal(
-                    Error::Invalid(v.at_index(0)),
-                    std::slice::from_ref(&p),
-                )));
+                // An id of an earlier event stored elsewhere comes first.
+                differs = Some(match stored_elsewhere(store, id, &mut unlooked).await? {
+                    Some(earlier) => earlier,
+                    None => PiAttempt::Failed(pi_refusal(
+                        Error::Invalid(v.at_index(0)),
+                        std::slice::from_ref(&p),
+                    )),
+                });
                 continue;
+            }
+            if let Some(event_id) = e.event_id {
+                unlooked.push(Unlooked {
+                    event_id,
+                    line: p.line,
+                    entry_id: p.entry_id.clone(),
+                });
+            }
+            if unlooked.len() >= PI_RUN {
+                differs = stored_elsewhere(store, id, &mut unlooked).await?;
+                if differs.is_some() {
+                    continue;
+                }
             }
         }
         let e = p.event;
@@ -2270,6 +2321,9 @@ async fn import_pi_once(
         });
     }
     drop(state);
+    if differs.is_none() {
+        differs = stored_elsewhere(store, id, &mut unlooked).await?;
+    }
     if let Some(e) = differs {
         return Err(e);
     }
@@ -2321,16 +2375,70 @@ fn pi_refusal(e: Error, events: &[crate::pi::PiEvent]) -> CliError {
         return e.into();
     };
     match v.index.take().and_then(|i| events.get(i)) {
-        Some(at) => CliError::Pi(crate::pi::PiError {
-            line: at.line,
-            field: v.field.as_deref().map(|f| pi_field(f, &at.event.body)),
-            message: match &at.entry_id {
-                Some(entry) => format!("pi entry {entry:?}: {} (rule {})", v.message, v.rule),
-                None => format!("the session header: {} (rule {})", v.message, v.rule),
-            },
-        }),
+        Some(at) => {
+            let field = v.field.as_deref().map(|f| pi_field(f, &at.event.body));
+            pi_error(&v, at.line, at.entry_id.as_deref(), field)
+        }
         None => Error::Invalid(v).into(),
     }
+}
+
+/// Refusal `v` of the event made from the entry `entry_id` (`None`: the
+/// header) at `line`, its store field said as the pi `field` it came from.
+fn pi_error(
+    v: &ValidationError,
+    line: usize,
+    entry_id: Option<&str>,
+    field: Option<String>,
+) -> CliError {
+    CliError::Pi(crate::pi::PiError {
+        line,
+        field,
+        message: match entry_id {
+            Some(entry) => format!("pi entry {entry:?}: {} (rule {})", v.message, v.rule),
+            None => format!("the session header: {} (rule {})", v.message, v.rule),
+        },
+    })
+}
+
+/// An event past the head of the session a pi file is imported into,
+/// whose id is still to be looked up in the store.
+struct Unlooked {
+    event_id: Uuid,
+    line: usize,
+    entry_id: Option<String>,
+}
+
+/// Looks `unlooked` up in the store (then empties it): the refusal of the
+/// first whose id another session holds, as the store would refuse it
+/// (SEMANTICS §2), or `None`. An id this session holds is left to the
+/// store's own judgement when its run is appended: the events up to the
+/// head were compared with the file already.
+async fn stored_elsewhere(
+    store: &Store,
+    session_id: Uuid,
+    unlooked: &mut Vec<Unlooked>,
+) -> Result<Option<PiAttempt>, PiAttempt> {
+    let ids: Vec<Uuid> = unlooked.iter().map(|u| u.event_id).collect();
+    let elsewhere: HashSet<Uuid> = store
+        .stored_events(&ids)
+        .await?
+        .into_iter()
+        .filter(|s| s.session_id != session_id)
+        .map(|s| s.event_id)
+        .collect();
+    let first = unlooked.iter().find(|u| elsewhere.contains(&u.event_id));
+    let refusal = first.map(|u| {
+        let v = crate::store::event_id_reused(u.event_id);
+        PiAttempt::Failed(pi_error(
+            &v,
+            u.line,
+            u.entry_id.as_deref(),
+            Some("id".to_owned()),
+        ))
+    });
+    unlooked.clear();
+    Ok(refusal)
 }
 
 /// The pi field that a store field of `body` was made from.

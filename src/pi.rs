@@ -515,6 +515,11 @@ impl Header {
             None | Some(Value::Null) => 1,
             Some(v) => match v.as_u64() {
                 Some(n) if n >= 1 => n,
+                // Past u64 (a JSON number keeps its digits): a version
+                // newer than any, read as the current one below.
+                None if v.is_number() && v.to_string().chars().all(|c| c.is_ascii_digit()) => {
+                    u64::MAX
+                }
                 _ => {
                     return Err(PiError::new(
                         line,
@@ -1493,6 +1498,21 @@ mod tests {
                 }
             ]
         );
+    }
+
+    /// A version past any integer type is newer than any: read as the
+    /// current one (docs/pi-import.md), not refused as "not a positive
+    /// integer". Zero, negative and fractional ones are refused.
+    #[test]
+    fn a_version_beyond_u64_is_read_as_the_current_one() {
+        let huge = r#"{"type":"session","version":99999999999999999999,"id":"s-1"}"#;
+        let s = convert_ok(&[huge, &user("e1", None, "x")]);
+        assert_eq!(bodies(&s).len(), 2);
+        for bad in ["0", "-3", "2.5", "1e400", "\"3\""] {
+            let header = format!(r#"{{"type":"session","version":{bad},"id":"s-1"}}"#);
+            let e = err(&[&header]);
+            assert_eq!((e.line, e.field.as_deref()), (1, Some("version")), "{bad}");
+        }
     }
 
     #[test]

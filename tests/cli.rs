@@ -841,6 +841,66 @@ fn history_refuses_a_negative_after_seq() {
     assert_eq!(stdout(&out).lines().count(), 1);
 }
 
+/// `tail --from-position` takes 0 (the beginning) but not a negative
+/// position: a usage error naming the flag, as `history --after-seq -1`.
+#[test]
+fn tail_refuses_a_negative_from_position() {
+    let db = common::sqlite_db();
+    let started = r#"{"type":"session_started","mode":"agent"}"#;
+    let out = run(
+        &db.url,
+        &["append", "--expected-seq", "0", S],
+        Some(started),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = run(&db.url, &["tail", "--from-position", "-5"], None);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--from-position"), "{}", stderr(&out));
+    let out = run(&db.url, &["tail", "--from-position", "0", "--json"], None);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stdout(&out).lines().count(), 1);
+}
+
+/// An append whose answer cannot be written (a full disk behind standard
+/// output) was stored all the same: the error says so, with the seqs and
+/// where to read them, so that exit 1 is not taken for "nothing stored".
+#[test]
+fn an_append_whose_answer_cannot_be_written_says_it_was_stored() {
+    let db = common::sqlite_db();
+    let started = r#"{"type":"session_started","mode":"agent"}"#;
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .expect("/dev/full");
+    let mut child = Command::new(BIN)
+        .arg("--database")
+        .arg(&db.url)
+        .args(["append", "--expected-seq", "0", S])
+        .env_remove("DATABASE_URL")
+        .stdin(Stdio::piped())
+        .stdout(full)
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run session-store");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(started.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let said = stderr(&out);
+    assert!(
+        said.contains("the batch was stored at seqs 1-1")
+            && said.contains(&format!("history {S} --after-seq 0"))
+            && said.contains("No space left on device"),
+        "{said}"
+    );
+    let out = run(&db.url, &["history", S, "--json"], None);
+    assert_eq!(stdout(&out).lines().count(), 1, "stored once");
+}
+
 /// A SQLite database in memory would acknowledge appends that end with
 /// the process: every spelling of one is refused before anything is
 /// acknowledged (exit 2), and no file is left behind.

@@ -506,6 +506,48 @@ fn a_long_file_is_judged_whole_before_its_runs_are_written() {
     }
 }
 
+/// An event id another session holds is refused by the store (SEMANTICS
+/// §2); the import looks the file's ids up before writing its first run,
+/// so a collision in the second run leaves the store unchanged, as any
+/// other refusal does (docs/pi-import.md, "Errors").
+#[test]
+fn an_event_id_held_by_another_session_is_refused_before_any_run_is_written() {
+    use session_store::pi::{uuid_v5, NAMESPACE};
+    for (backend, db) in backends() {
+        let dir = tempfile::tempdir().unwrap();
+        // 1 201 events; the prompt of turn 550 is seq 1 102, on line 1 102,
+        // in the second run of 1 000.
+        let file = dir.path().join("long.jsonl");
+        std::fs::write(&file, long_file(600, None, 0)).unwrap();
+        let pi_session = uuid_v5(NAMESPACE, "long-1");
+        let taken = uuid_v5(pi_session, "u550#0");
+        let other = "88888888-2222-4333-8444-555555555555";
+        let line =
+            json!({"session_id": other, "event_id": taken, "type": "session_started", "mode": "x"});
+        let lines = dir.path().join("other.jsonl");
+        std::fs::write(&lines, format!("{line}\n")).unwrap();
+        let out = run(&db.url, &["import", lines.to_str().unwrap()]);
+        assert!(out.status.success(), "{backend}: {}", stderr(&out));
+        let before = feed(&db.url);
+        let out = run(
+            &db.url,
+            &["import", "--format", "pi", file.to_str().unwrap()],
+        );
+        assert_eq!(out.status.code(), Some(1), "{backend}: {}", stderr(&out));
+        let said = stderr(&out);
+        assert!(
+            said.contains("line 1102")
+                && said.contains("pi entry \"u550\"")
+                && said.contains("event-id-reused-with-other-content")
+                && said.contains(&taken.to_string()),
+            "{backend}: {said}"
+        );
+        assert_eq!(feed(&db.url), before, "{backend}: nothing written");
+        let out = run(&db.url, &["history", &pi_session.to_string(), "--json"]);
+        assert_eq!(stdout(&out), "", "{backend}: the pi session holds nothing");
+    }
+}
+
 #[test]
 fn an_entry_edited_since_its_import_is_named_as_edited() {
     for (backend, db) in backends() {

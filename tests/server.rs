@@ -631,6 +631,37 @@ both_backends!(tokens_scopes_and_tenants, |url: String| async move {
             .unwrap();
         assert_eq!(response.status(), StatusCode::UNAUTHORIZED, "{route}");
     }
+    // And before the path: a session id or tool name that is not UTF-8
+    // once percent-decoded is said (400) only to a known caller.
+    for path in [
+        "/v1/sessions/%FF/context".to_owned(),
+        format!("/v1/sessions/{id}/explain/%FF"),
+    ] {
+        for (token, want) in [
+            (None, StatusCode::UNAUTHORIZED),
+            (Some(A_READER), StatusCode::BAD_REQUEST),
+        ] {
+            let (s, v, _) = call(&app, Method::GET, &path, token, None, Body::empty()).await;
+            assert_eq!(s, want, "{path} {token:?}: {v}");
+            assert!(!v.to_string().contains("Invalid URL"), "{v}");
+        }
+    }
+    // Two credentials: neither is guessed at.
+    for pair in [[A_READER, A_WRITER], [A_WRITER, A_READER]] {
+        let response = app
+            .clone()
+            .oneshot(
+                Request::builder()
+                    .uri(format!("/v1/sessions/{id}/context"))
+                    .header(header::AUTHORIZATION, format!("Bearer {}", pair[0]))
+                    .header(header::AUTHORIZATION, format!("Bearer {}", pair[1]))
+                    .body(Body::empty())
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::UNAUTHORIZED, "{pair:?}");
+    }
     let (s, v) = post(&app, &uri, Some("tenant-a-writer-0123456788"), &body).await;
     assert_error(s, &v, StatusCode::UNAUTHORIZED, "unauthorized");
     assert!(

@@ -371,10 +371,28 @@ both_backends!(
             "/v1/audit/events?after=-1",
             "/v1/audit/events?from_position=-1",
             "/v1/audit/events?from_position=10&to_position=5",
+            // A cursor no page gives: its tool is no name an event carries.
+            "/v1/audit/changes?after=5:",
+            "/v1/audit/changes?after=5:%01x",
+            &format!("/v1/audit/changes?after=5:{}", "a".repeat(300)),
         ] {
             let (s, v) = get(&app, bad, A_AUDITOR).await;
             assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY, "{bad}: {v}");
             assert!(v["message"].as_str().unwrap().len() > 10, "{v}");
+        }
+        // A long value is echoed cut, as every message quotes one.
+        let long = "a".repeat(50_000);
+        for bad in [
+            format!("/v1/audit/anomalies?kind={long}"),
+            format!("/v1/audit/events?after={long}"),
+        ] {
+            let (s, v) = get(&app, &bad, A_AUDITOR).await;
+            assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+            let message = v["message"].as_str().unwrap();
+            assert!(
+                message.len() < 400 && message.contains("50000 bytes"),
+                "{message}"
+            );
         }
         for bad in [
             "/v1/audit/anomalies",

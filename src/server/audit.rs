@@ -64,8 +64,16 @@ pub(super) async fn explain(
     path: Result<Path<(String, String)>, PathRejection>,
     q: Params<ExplainQuery>,
 ) -> Result<Json<Explanation>, ApiError> {
-    let Path((id, tool)) =
-        path.map_err(|e| ApiError::bad_request(format!("bad path: {}", e.body_text())))?;
+    let Ok(Path((id, tool))) = path else {
+        // Who asks first, as on every route: a caller without a token
+        // hears 401, whatever its path. (A segment fails only when its
+        // bytes are not UTF-8 once percent-decoded.)
+        server.principal(&headers)?.require(Scope::Read)?;
+        return Err(ApiError::bad_request(
+            "the session id or the tool name in the path is not UTF-8 once percent-decoded"
+                .to_owned(),
+        ));
+    };
     let (_, session_id) = server.session_for(&headers, Scope::Read, &id).await?;
     let q = query(q)?;
     let at = match (q.at_seq, q.at_prompt) {
@@ -355,9 +363,12 @@ pub(super) async fn audit_events(
     )?;
     let after_position = match &q.after {
         None => 0,
-        Some(a) => a
-            .parse()
-            .map_err(|_| ApiError::bad_request(format!("`after` {a:?} is not a position")))?,
+        Some(a) => a.parse().map_err(|_| {
+            ApiError::bad_request(format!(
+                "`after` {} is not a position",
+                crate::error::quoted(a)
+            ))
+        })?,
     };
     let page = server
         .inner
@@ -481,7 +492,8 @@ pub(super) async fn audit_anomalies(
         }
         Some(k) => AnomalyKind::parse(k).ok_or_else(|| {
             ApiError::bad_request(format!(
-                "unknown `kind` {k:?}: expected unanswered_call, unknown_evidence_name or view_drift"
+                "unknown `kind` {}: expected unanswered_call, unknown_evidence_name or view_drift",
+                crate::error::quoted(k)
             ))
         })?,
     };

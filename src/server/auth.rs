@@ -182,6 +182,18 @@ impl Tokens {
                 "this server requires a bearer token: send `Authorization: Bearer TOKEN`",
             ));
         };
+        if headers
+            .get_all(header::AUTHORIZATION)
+            .iter()
+            .nth(1)
+            .is_some()
+        {
+            // Two credentials: which one is meant is not for the server to
+            // guess.
+            return Err(unauthorized(
+                "more than one Authorization header was sent: send one `Authorization: Bearer TOKEN`",
+            ));
+        }
         let presented = value
             .to_str()
             .ok()

@@ -517,24 +517,27 @@ impl Server {
 /// bad one answers the JSON error shape (axum's own rejection is text).
 struct SessionPath(String);
 
-impl<S: Send + Sync> axum::extract::FromRequestParts<S> for SessionPath {
+impl axum::extract::FromRequestParts<Server> for SessionPath {
     type Rejection = ApiError;
 
     async fn from_request_parts(
         parts: &mut axum::http::request::Parts,
-        state: &S,
+        server: &Server,
     ) -> Result<SessionPath, ApiError> {
-        Path::<String>::from_request_parts(parts, state)
-            .await
-            .map(|Path(id)| SessionPath(id))
+        match Path::<String>::from_request_parts(parts, server).await {
+            Ok(Path(id)) => Ok(SessionPath(id)),
             // The one way a single segment fails: its bytes are not UTF-8
             // once percent-decoded (axum's wording names its internals).
-            .map_err(|_| {
-                ApiError::bad_request(
+            // Said only to a known caller: without a token, 401 whatever
+            // the path, as on every route.
+            Err(_) => {
+                server.principal(&parts.headers)?;
+                Err(ApiError::bad_request(
                     "the session id in the path is not UTF-8 once percent-decoded: session ids are UUIDs"
                         .to_owned(),
-                )
-            })
+                ))
+            }
+        }
     }
 }
 

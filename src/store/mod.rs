@@ -1868,6 +1868,21 @@ impl Store {
         }
     }
 
+    /// The stored events, of any session, whose ids are among `ids`: for
+    /// a caller that judges a long run of events before appending any of
+    /// it (`import --format pi`), so that an id another session holds
+    /// (SEMANTICS §2, [`event_id_reused`]) is said before the first run
+    /// is written rather than after.
+    pub async fn stored_events(&self, ids: &[Uuid]) -> Result<Vec<StoredEvent>> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        match &self.backend {
+            Backend::Sqlite(b) => b.begin_read().await?.stored_by_ids(ids).await,
+            Backend::Postgres(b) => b.begin_read().await?.stored_by_ids(ids).await,
+        }
+    }
+
     /// Every session in the store, in id order.
     pub async fn sessions(&self) -> Result<Vec<Uuid>> {
         match &self.backend {
@@ -2038,18 +2053,7 @@ async fn judge_and_write<T: LogTx>(
                 continue;
             };
             if prior.session_id != session_id || !prior.body.same_content(&e.body) {
-                return Err(ValidationError::new(
-                    Rule::EventIdReused,
-                    Some("event_id"),
-                    // Names neither the other session nor its seq: the
-                    // caller may not be allowed to know they exist.
-                    format!(
-                        "`event_id` {} is already stored with other content or in another session",
-                        prior.event_id
-                    ),
-                )
-                .at_index(i)
-                .into());
+                return Err(event_id_reused(prior.event_id).at_index(i).into());
             }
         }
         let answer: Vec<Appended> = events
@@ -2549,6 +2553,17 @@ async fn rowless_state<T: LogTx>(
         }
     }
     Ok(state)
+}
+
+/// The refusal of an event whose id is already stored with other content
+/// or in another session (SEMANTICS §2). Names neither the other session
+/// nor its seq: the caller may not be allowed to know they exist.
+pub fn event_id_reused(event_id: Uuid) -> ValidationError {
+    ValidationError::new(
+        Rule::EventIdReused,
+        Some("event_id"),
+        format!("`event_id` {event_id} is already stored with other content or in another session"),
+    )
 }
 
 /// The seq of the row a compaction keeps from, looked up in the log (a

@@ -590,7 +590,9 @@ impl Store {
             Some(cursor) => Some(
                 cursor
                     .split_once(':')
-                    .filter(|(_, t)| !crate::validate::has_control_char(t))
+                    // The tool a page ended on is a name some event
+                    // carried (§3), as the `tool` filter's is.
+                    .filter(|(_, t)| crate::validate::check_tool_name(t, "after").is_ok())
                     .and_then(|(p, t)| Some((p.parse::<i64>().ok()?, t.to_owned())))
                     .filter(|(p, _)| *p >= 0)
                     .ok_or_else(|| {
