@@ -6,6 +6,9 @@ COPY src src
 COPY migrations migrations
 COPY benches benches
 COPY examples examples
+# Cargo reads every target Cargo.toml declares, the tests' among them,
+# before it builds any (.ci/run builds from these COPY lines alone).
+COPY tests tests
 RUN cargo build --release --locked --bin session-store
 
 FROM debian:bookworm-slim

@@ -46,7 +46,8 @@ pub struct Cli {
     pub max_event_bytes: usize,
 
     /// Seconds one round trip to a PostgreSQL store may take before the
-    /// command exits 4: a server that stops answering is said, not waited
+    /// command exits 4 (under `serve`, before the request answers 503
+    /// `unavailable`): a server that stops answering is said, not waited
     /// on without end. Long commands (verify, export, rebuild) make many
     /// round trips, each bounded.
     #[arg(long, default_value = "30", global = true, value_parser = parse_seconds)]
@@ -92,7 +93,7 @@ pub enum Command {
         /// The session's UUID.
         session: String,
         /// The seq the writer last saw (0 for a new session).
-        #[arg(long, value_parser = clap::value_parser!(i64).range(0..))]
+        #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(i64).range(0..))]
         expected_seq: i64,
         /// The JSON-lines file; standard input without it or with `-`.
         file: Option<PathBuf>,
@@ -227,7 +228,7 @@ pub enum Command {
         session: String,
         /// Start after this seq (0: from the first event; a negative one
         /// is a usage error, as over HTTP).
-        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(i64).range(0..))]
+        #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = clap::value_parser!(i64).range(0..))]
         after_seq: i64,
         /// Print at most this many events (all of them without it).
         #[arg(long, value_parser = clap::value_parser!(i64).range(1..))]

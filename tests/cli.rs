@@ -836,6 +836,20 @@ fn history_refuses_a_negative_after_seq() {
     let out = run(&db.url, &["history", S, "--after-seq=-1"], None);
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     assert!(stderr(&out).contains("--after-seq"), "{}", stderr(&out));
+    // Written with a space, the value is still judged as a value (not
+    // taken for a flag, with clap's advice to write `-- -1`).
+    for args in [
+        vec!["history", S, "--after-seq", "-1"],
+        vec!["append", S, "--expected-seq", "-1"],
+    ] {
+        let out = run(&db.url, &args, Some(started));
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains("invalid value '-1'") && !stderr(&out).contains("-- -1"),
+            "{args:?}: {}",
+            stderr(&out)
+        );
+    }
     let out = run(&db.url, &["history", S, "--after-seq=0", "--json"], None);
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(stdout(&out).lines().count(), 1);
