@@ -356,7 +356,7 @@ pub struct ServeArgs {
     pub listen: std::net::SocketAddr,
     /// The token document (JSON: {"tokens": [{"token", "tenant",
     /// "scopes"}]}); SESSION_STORE_TOKENS may hold the document itself.
-    #[arg(long, env = "SESSION_STORE_TOKENS_FILE")]
+    #[arg(long, env = "SESSION_STORE_TOKENS_FILE", value_parser = parse_tokens_file)]
     pub tokens: Option<PathBuf>,
     /// Serve without tokens on a non-loopback address (behind a proxy that
     /// authenticates, for instance).
@@ -537,6 +537,20 @@ fn parse_body_limit(s: &str) -> std::result::Result<usize, String> {
         }
         Ok(n) => Ok(n),
         Err(_) => Err(format!("{s:?} is not a whole number of bytes")),
+    }
+}
+
+/// `serve --tokens` (or SESSION_STORE_TOKENS_FILE): a path. An empty one
+/// is most often a variable set to nothing by a deployment's template, so
+/// the refusal names both places it may have come from.
+fn parse_tokens_file(s: &str) -> std::result::Result<PathBuf, String> {
+    match s.is_empty() {
+        true => Err(
+            "the token file's path is empty (from --tokens or SESSION_STORE_TOKENS_FILE): \
+             give the path of the token document, or unset the variable"
+                .to_owned(),
+        ),
+        false => Ok(PathBuf::from(s)),
     }
 }
 

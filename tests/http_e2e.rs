@@ -273,6 +273,21 @@ fn serve_refuses_a_public_address_without_tokens() {
         !err.contains("short\""),
         "the token itself is not echoed: {err}"
     );
+
+    // A token file variable set to nothing is a usage error that names the
+    // variable (a template's empty value), not only the flag.
+    let out = Command::new(env!("CARGO_BIN_EXE_session-store"))
+        .arg("--database")
+        .arg(&db)
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .env_remove("SESSION_STORE_TOKENS")
+        .env("SESSION_STORE_TOKENS_FILE", "")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("SESSION_STORE_TOKENS_FILE"), "{err}");
+    assert!(err.contains("empty"), "{err}");
 }
 
 /// `serve` of the SQLite store `db` with `args` and no tokens (killed when
