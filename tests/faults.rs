@@ -1267,3 +1267,50 @@ async fn postgres_waiting_for_another_instances_migration_is_bounded_by_the_read
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// A server restarted right after every pooled connection was used leaves
+/// them all dead, each trusted for a second (`TRUSTED_IDLE`): the first
+/// request that finds one broken fails (retryable), and the pool then
+/// pings the other connections opened before the failure instead of
+/// failing a request on each of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_restart_fails_one_request_not_one_per_pooled_connection() {
+    let Some(server) = own_server() else { return };
+    let store = Arc::new(Store::open(&server.url()).await.unwrap());
+    let s = Uuid::new_v4();
+    store.append(s, 0, vec![started()]).await.unwrap();
+    // Every pooled connection opened and just used.
+    let readers: Vec<_> = (0..12)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                for _ in 0..30 {
+                    store.history(s, 0, 10).await.unwrap();
+                }
+            })
+        })
+        .collect();
+    for r in readers {
+        r.await.unwrap();
+    }
+    server.stop();
+    server.launch().unwrap();
+    let mut failed = Vec::new();
+    for i in 0..12 {
+        if let Err(e) = store.history(s, 0, 10).await {
+            assert!(e.is_retryable(), "{e}");
+            failed.push(i);
+        }
+    }
+    assert!(
+        failed.len() <= 1,
+        "reads after the restart that failed: {failed:?}"
+    );
+    // Appends too go through healthy connections.
+    let head = store.head_seq(s).await.unwrap();
+    store
+        .append(s, head, vec![prompt("after the restart")])
+        .await
+        .unwrap();
+    assert_eq!(store.head_seq(s).await.unwrap(), head + 1);
+}

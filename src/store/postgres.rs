@@ -18,6 +18,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Connection, Postgres, Transaction};
+use tokio_stream::StreamExt as _;
 use uuid::Uuid;
 
 use super::{
@@ -201,7 +202,10 @@ async fn trip<T>(
     round_trip: impl std::future::Future<Output = std::result::Result<T, sqlx::Error>>,
 ) -> Result<T> {
     within(deadline, async {
-        round_trip.await.map_err(Error::from_sqlx)
+        round_trip.await.map_err(|e| {
+            noted(&e);
+            Error::from_sqlx(e)
+        })
     })
     .await
 }
@@ -262,6 +266,13 @@ const TRUSTED_IDLE: Duration = Duration::from_secs(1);
 /// in a release this crate uses). A CI run of this suite wedged on it
 /// (2026-12-05). Idle connections stay open instead of closing after 10
 /// minutes: at most `MAX_CONNECTIONS` a process.
+///
+/// After a connection fails (a server restart, a failover), the pooled
+/// connections opened before it are suspect too: each is pinged when next
+/// handed out, for [`SUSPECT_FOR`], however recently it was used
+/// ([`suspect`]). Without that, a pool of `MAX_CONNECTIONS` connections to
+/// a server that restarted failed that many requests in a row, one on each
+/// dead connection, where now the one that found the failure does.
 pub(crate) fn pool_options() -> PgPoolOptions {
     PgPoolOptions::new()
         .max_connections(MAX_CONNECTIONS)
@@ -270,12 +281,64 @@ pub(crate) fn pool_options() -> PgPoolOptions {
         .max_lifetime(None)
         .before_acquire(|conn, meta| {
             Box::pin(async move {
-                if meta.idle_for >= TRUSTED_IDLE {
-                    conn.ping().await?;
+                if meta.idle_for >= TRUSTED_IDLE || suspect(meta.age) {
+                    conn.ping().await.inspect_err(noted)?;
                 }
                 Ok(true)
             })
         })
+}
+
+/// How long after a connection failure the connections opened before it
+/// are pinged before each use: longer than [`TRUSTED_IDLE`], after which
+/// the idle ping covers any still unused.
+const SUSPECT_FOR: Duration = Duration::from_secs(5);
+
+/// The instant this process's clock for [`FAILED_AT`] counts from.
+static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+
+/// When a PostgreSQL connection of this process last failed, in
+/// milliseconds since [`EPOCH`] (0: never). One value for every store of
+/// the process: another store's failure costs this one a few pings, no
+/// more.
+static FAILED_AT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn since_epoch() -> Duration {
+    EPOCH.get_or_init(std::time::Instant::now).elapsed()
+}
+
+/// Records `e` when it is a connection's failure: the connection broke,
+/// or the server said it is shutting down or the connection is gone
+/// (classes 08 and 57P).
+fn noted(e: &sqlx::Error) {
+    let broken = match e {
+        sqlx::Error::Io(_) | sqlx::Error::Tls(_) => true,
+        sqlx::Error::Database(db) => db
+            .code()
+            .is_some_and(|c| c.starts_with("08") || c.starts_with("57P")),
+        _ => false,
+    };
+    if broken {
+        let now = u64::try_from(since_epoch().as_millis()).unwrap_or(u64::MAX);
+        FAILED_AT.store(now.max(1), std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// A row of a streamed read, its connection's failure [`noted`].
+fn watched<R>(row: std::result::Result<R, sqlx::Error>) -> std::result::Result<R, sqlx::Error> {
+    row.inspect_err(noted)
+}
+
+/// Whether a connection of age `age` was opened before a connection
+/// failure of the last [`SUSPECT_FOR`].
+fn suspect(age: Duration) -> bool {
+    match FAILED_AT.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => false,
+        at => {
+            let since = since_epoch().saturating_sub(Duration::from_millis(at));
+            since < SUSPECT_FOR && age > since
+        }
+    }
 }
 
 /// The connection settings of the module docs.
@@ -533,7 +596,7 @@ impl PgBackend {
         if bounded {
             query = query.bind(byte_bound(max_bytes));
         }
-        let mut rows = query.fetch(&self.pool);
+        let mut rows = query.fetch(&self.pool).map(watched);
         within(
             self.read_deadline,
             super::take_within(&mut rows, max_bytes, |r: &Row| r.4.len(), decode),
@@ -587,11 +650,14 @@ impl PgBackend {
         .bind(max_window)
         .bind(read.window_too())
         .bind(byte_bound(read.max_bytes()))
-        .fetch(&self.pool);
+        .fetch(&self.pool).map(watched);
         let mut events = Vec::new();
         within(self.read_deadline, async {
             while let Some(row) = rows.next().await {
-                let (p, s, q, e, payload, t, json) = row.map_err(Error::from_sqlx)?;
+                let (p, s, q, e, payload, t, json) = row.map_err(|e| {
+                    noted(&e);
+                    Error::from_sqlx(e)
+                })?;
                 let Some(json) = json else {
                     let len = payload.len();
                     events.push((p, s, q, e, payload, t));
@@ -631,7 +697,8 @@ impl PgBackend {
             .bind(after)
             .bind(limit)
             .bind(byte_bound(max_bytes))
-            .fetch(&self.pool);
+            .fetch(&self.pool)
+            .map(watched);
         within(
             self.read_deadline,
             super::take_within(&mut rows, max_bytes, |r: &Row| r.4.len(), decode),
@@ -834,6 +901,7 @@ fn ended_before_commit(e: &sqlx::Error) -> bool {
 /// Anything else (a lost connection, a reply that could not be read or
 /// decoded) may have come after the commit: [`Error::OutcomeUnknown`].
 fn commit_error(e: sqlx::Error) -> Error {
+    noted(&e);
     if matches!(e, sqlx::Error::Database(_)) {
         return Error::from_sqlx(e);
     }
@@ -1026,7 +1094,10 @@ impl super::group::OptimisticTx for PgTx {
                     limit.as_secs_f64()
                 )))
             })?
-            .map_err(|e| OptimisticMiss::NotStored(Error::from_sqlx(e)))?;
+            .map_err(|e| {
+                noted(&e);
+                OptimisticMiss::NotStored(Error::from_sqlx(e))
+            })?;
         let call = bind_writes(query, &b, self.unwritten).fetch_one(&mut *conn);
         let result = before(until, call).await.map_err(|limit| {
             OptimisticMiss::Failed(Error::Unavailable(format!(
@@ -1391,7 +1462,7 @@ impl LogTx for PgTx {
         if bounded {
             query = query.bind(byte_bound(max_bytes));
         }
-        let mut rows = query.fetch(self.conn()?);
+        let mut rows = query.fetch(self.conn()?).map(watched);
         within(
             deadline,
             super::take_within(&mut rows, max_bytes, |r: &Row| r.4.len(), decode),
@@ -1665,7 +1736,8 @@ impl LogTx for PgTx {
             .bind(after)
             .bind(limit)
             .bind(byte_bound(super::PAGE_BYTES))
-            .fetch(self.conn()?);
+            .fetch(self.conn()?)
+            .map(watched);
         within(
             deadline,
             super::take_within(
