@@ -345,7 +345,12 @@ async fn postgres_restart_in_the_middle_of_a_load_loses_nothing() {
         .unwrap_err();
     match &err {
         Error::RetriesExhausted { attempts, last, .. } => {
-            assert_eq!(*attempts, 3);
+            // Three attempts, or two when the ten seconds of
+            // `max_unavailable` end it first: an attempt that meets a dead
+            // pooled connection fails at once, one that pings it first
+            // (a connection failure was seen) waits the 5 s connection
+            // timeout for a new one, as the others do.
+            assert!((2..=3).contains(attempts), "{attempts} attempts");
             // Unavailable, or OutcomeUnknown when the first attempt sent
             // its one call on a connection the stop then cut (it cannot
             // tell whether the server had it).
@@ -1313,4 +1318,51 @@ async fn postgres_a_restart_fails_one_request_not_one_per_pooled_connection() {
         .await
         .unwrap();
     assert_eq!(store.head_seq(s).await.unwrap(), head + 1);
+}
+
+/// With PostgreSQL down, an append that arrives while another waits for a
+/// connection is answered with that one's failure, not after a connection
+/// timeout of its own on top (10 s instead of 5, found by a review of
+/// `serve` during an outage); nothing of either is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_appends_queued_during_an_outage_wait_one_connection_timeout() {
+    let Some(server) = own_server() else { return };
+    let store = Arc::new(Store::open(&server.url()).await.unwrap());
+    let sessions: Vec<Uuid> = (0..4).map(|_| Uuid::new_v4()).collect();
+    for s in &sessions {
+        store.append(*s, 0, vec![started()]).await.unwrap();
+    }
+    server.stop();
+    // Let the pooled connections go idle past the trusted second, so each
+    // is pinged (and found dead) rather than failing a call at once.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let mut appends = Vec::new();
+    for (i, s) in sessions.iter().copied().enumerate() {
+        let store = store.clone();
+        appends.push(tokio::spawn(async move {
+            let start = Instant::now();
+            let result = store
+                .append(s, 1, vec![prompt(&format!("during the outage {i}"))])
+                .await;
+            (start.elapsed(), result)
+        }));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let mut waits = Vec::new();
+    for a in appends {
+        let (waited, result) = a.await.unwrap();
+        match result {
+            Err(Error::Unavailable(_)) => {}
+            other => panic!("expected Unavailable, got {other:?}"),
+        }
+        waits.push(waited);
+    }
+    assert!(
+        waits.iter().all(|w| *w < Duration::from_secs(8)),
+        "each append waits one connection timeout (5 s) at most, with margin: {waits:?}"
+    );
+    server.launch().unwrap();
+    for s in &sessions {
+        assert_eq!(store.head_seq(*s).await.unwrap(), 1, "nothing stored");
+    }
 }

@@ -549,6 +549,10 @@ both_backends!(
         )
         .await;
         assert_error(s, &v, StatusCode::SERVICE_UNAVAILABLE, "unavailable");
+        // The client is told that the append was not stored (a retry is
+        // safe), not only that the database is down.
+        let message = v["message"].as_str().unwrap();
+        assert!(message.contains("nothing was stored"), "{message}");
     }
 );
 

@@ -126,7 +126,7 @@ impl From<Error> for ApiError {
                 ApiError::new(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "outcome_unknown",
-                    "the database failed while the append was committing, so it may or may not be stored: send it again with the same event ids (a stored batch is answered with its seqs), or read the session's head before appending again",
+                    "the append was sent to the database but no answer came back (the connection failed, or the write deadline passed), so it may or may not be stored: send it again with the same event ids (a stored batch is answered with its seqs), or read the session's head before appending again",
                 )
             }
             Error::RetriesExhausted { last, .. } if matches!(*last, Error::OutcomeUnknown(_)) => {
@@ -147,7 +147,7 @@ impl From<Error> for ApiError {
                 let message = match (full, moved) {
                     (true, _) => "the database's disk is full; nothing was stored; try again once space is freed",
                     (false, true) => "the store's database file was removed or replaced while the server ran; nothing was stored; it answers again once the file is back and the server is restarted",
-                    (false, false) => "the database is unavailable; try again shortly",
+                    (false, false) => "the database is unavailable; nothing was stored or changed; try again shortly",
                 };
                 ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message)
             }

@@ -45,13 +45,80 @@ use crate::error::{Error, Result, ValidationError};
 use crate::event::{EventBody, NewEvent};
 use crate::store::AppendOutcome;
 
-/// [`super::AppendPaths`], counted as groups are committed.
+/// What a store's groups share besides the writer slot:
+/// [`super::AppendPaths`], counted as groups are committed, and the last
+/// time a group found the storage unavailable ([`Outage`]).
 #[derive(Default)]
 pub(crate) struct PathCounters {
     locked: AtomicU64,
     optimistic: AtomicU64,
     abandoned: AtomicU64,
     sends_ahead: AtomicU64,
+    outage: Outage,
+}
+
+/// When a group last failed whole, after waiting [`OUTAGE_WAIT`] or
+/// longer, because the storage was unavailable before anything of it was
+/// stored (no connection to PostgreSQL within the connection timeout,
+/// SQLite's lock not had within the busy timeout), and what the storage
+/// said.
+///
+/// Why: the appends queued behind such a group waited for it, and the
+/// next group would then wait its own timeout: with PostgreSQL down, an
+/// append that arrived while another waited for a connection was answered
+/// after two connection timeouts, 10 s instead of 5 (found by a review of
+/// `serve` during outages). The appends that were queued before the
+/// failure are answered with it at once, untried; an append queued after
+/// it is tried as usual. Nothing is stored either way, and the answer is
+/// retryable. A group that fails at once (a connection found dead after a
+/// server restart) held nobody up: the appends behind it are tried, on
+/// the connections that answer a ping (`postgres::pool_options`).
+#[derive(Default)]
+struct Outage {
+    /// When the group committing now started.
+    started: std::sync::Mutex<Option<std::time::Instant>>,
+    last: std::sync::Mutex<Option<(std::time::Instant, String)>>,
+}
+
+/// How long a failing group must have waited for its failure to answer
+/// the appends queued behind it ([`Outage`]).
+const OUTAGE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+impl Outage {
+    /// Records `e` when it says the storage is unavailable and the group
+    /// waited [`OUTAGE_WAIT`] for it.
+    fn found(&self, e: &Error) {
+        let waited = self
+            .started
+            .lock()
+            .ok()
+            .and_then(|s| *s)
+            .is_some_and(|s| s.elapsed() >= OUTAGE_WAIT);
+        if let (Error::Unavailable(m), true, Ok(mut last)) = (e, waited, self.last.lock()) {
+            *last = Some((std::time::Instant::now(), m.clone()));
+        }
+    }
+
+    /// Answers the appends of `group` queued before the last outage was
+    /// found, untried, and gives back the others; the group that commits
+    /// them starts now.
+    fn answer_stale(&self, group: Vec<Pending>) -> Vec<Pending> {
+        if let Ok(mut started) = self.started.lock() {
+            *started = Some(std::time::Instant::now());
+        }
+        let Some((at, why)) = self.last.lock().ok().and_then(|last| last.clone()) else {
+            return group;
+        };
+        let (stale, fresh): (Vec<Pending>, Vec<Pending>) =
+            group.into_iter().partition(|p| p.queued < at);
+        for p in stale {
+            let _ = p.reply.send(Err(Error::Unavailable(format!(
+                "{why} (found by the appends committed before this one, which waited for them; \
+                 this one was not tried, and nothing of it is stored)"
+            ))));
+        }
+        fresh
+    }
 }
 
 impl PathCounters {
@@ -77,6 +144,8 @@ pub(crate) struct Pending {
     /// before it, as SEMANTICS §2 orders ([`crate::Store::refuse_batch`]).
     pub(crate) invalid_tail: Option<ValidationError>,
     pub(crate) reply: oneshot::Sender<Result<AppendOutcome>>,
+    /// When it was queued ([`Outage`]).
+    pub(crate) queued: std::time::Instant,
 }
 
 /// Why one append of a group failed.
@@ -154,6 +223,10 @@ pub(crate) async fn commit_group(
     group: Vec<Pending>,
     slot: OwnedMutexGuard<()>,
 ) {
+    let group = paths.outage.answer_stale(group);
+    if group.is_empty() {
+        return;
+    }
     let group = match &backend {
         _ if options.fault_pause_before_commit.is_some() => Some(group),
         Backend::Postgres(b) => optimistic(b.optimistic(), &options, &states, &paths, group).await,
@@ -166,8 +239,12 @@ pub(crate) async fn commit_group(
     if let Some(group) = group {
         paths.locked.fetch_add(1, Ordering::Relaxed);
         match &backend {
-            Backend::Sqlite(b) => run(b.begin_write().await, &options, &states, group).await,
-            Backend::Postgres(b) => run(b.begin_write().await, &options, &states, group).await,
+            Backend::Sqlite(b) => {
+                run(b.begin_write().await, &options, &states, &paths, group).await
+            }
+            Backend::Postgres(b) => {
+                run(b.begin_write().await, &options, &states, &paths, group).await
+            }
         }
     }
     drop(slot);
@@ -181,11 +258,13 @@ async fn run<T: LogTx>(
     tx: Result<T>,
     options: &StoreOptions,
     states: &StateCache,
+    paths: &PathCounters,
     group: Vec<Pending>,
 ) {
     let mut tx = match tx {
         Ok(tx) => tx,
         Err(e) => {
+            paths.outage.found(&e);
             for p in group {
                 let _ = p.reply.send(Err(again(&e)));
             }
@@ -226,6 +305,7 @@ async fn run<T: LogTx>(
     let prefetched = tx.prefetch(&sessions, &views, &ids, &calls).await;
     drop(calls);
     if let Err(e) = prefetched {
+        paths.outage.found(&e);
         for p in group {
             let _ = p.reply.send(Err(again(&e)));
         }
@@ -457,6 +537,7 @@ async fn optimistic<T: OptimisticTx>(
             // it failed before its commit: nothing is stored, said as it
             // is (a full disk stays "storage unavailable", not an unknown
             // outcome).
+            paths.outage.found(&e);
             for p in group {
                 let _ = p.reply.send(Err(again(&e)));
             }

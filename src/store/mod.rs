@@ -1290,6 +1290,7 @@ impl Store {
             events,
             invalid_tail,
             reply,
+            queued: std::time::Instant::now(),
         };
         match self.queue.lock() {
             Ok(mut q) => q.push(pending),
