@@ -180,6 +180,28 @@ fn value_heap_bytes(value: &Value) -> usize {
     total
 }
 
+/// Drops `body` with an explicit stack instead of the recursive drop of
+/// its JSON values, which overflows a thread's stack on a value tens of
+/// thousands of levels deep (a library caller's, refused by
+/// `validate::check_values`).
+pub(crate) fn drop_flat(body: EventBody) {
+    let mut stack: Vec<Value> = match body {
+        EventBody::ToolCall { input, .. } => vec![input],
+        EventBody::ToolResult { output, .. } => output.into_iter().collect(),
+        EventBody::SessionStarted { metadata, .. } => {
+            metadata.into_iter().flatten().map(|(_, v)| v).collect()
+        }
+        _ => Vec::new(),
+    };
+    while let Some(mut value) = stack.pop() {
+        match &mut value {
+            Value::Array(items) => stack.append(items),
+            Value::Object(map) => stack.extend(std::mem::take(map).into_iter().map(|(_, v)| v)),
+            _ => {}
+        }
+    }
+}
+
 impl EventBody {
     /// About how many bytes this body holds on the heap (its texts,
     /// names and JSON values): what a cached session state is weighed by

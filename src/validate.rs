@@ -59,6 +59,78 @@ fn check_non_empty(value: &str, field: &str) -> Result<(), ValidationError> {
     }
 }
 
+/// Refuses a JSON value of `body` (a call's `input`, a result's `output`,
+/// a session's `metadata`) that the store could not read back: arrays and
+/// objects nested deeper than [`crate::event::MAX_JSON_DEPTH`] levels
+/// (counting the event's own object, as the parser counts them), or an
+/// object key that serde_json reserves ([`crate::event::RESERVED_KEYS`]).
+/// The command line and the HTTP server refuse both when they parse the
+/// text; a library caller hands the store values, which must be judged
+/// the same way before anything serializes, compares or hashes them:
+/// stored, such an event made its session unreadable after a restart, and
+/// a value tens of thousands of levels deep overflowed the stack of the
+/// thread serializing it. Walked with an explicit stack.
+pub fn check_values(body: &EventBody) -> Result<(), ValidationError> {
+    use crate::event::{MAX_JSON_DEPTH, RESERVED_KEYS};
+    use serde_json::Value;
+    // (field, value, level of the value if it is an array or object)
+    let mut stack: Vec<(&'static str, &Value, usize)> = Vec::new();
+    match body {
+        EventBody::ToolCall { input, .. } => stack.push(("input", input, 2)),
+        EventBody::ToolResult {
+            output: Some(output),
+            ..
+        } => stack.push(("output", output, 2)),
+        EventBody::SessionStarted {
+            metadata: Some(metadata),
+            ..
+        } => {
+            for (key, value) in metadata {
+                check_key("metadata", key)?;
+                stack.push(("metadata", value, 3));
+            }
+        }
+        _ => {}
+    }
+    fn check_key(field: &str, key: &str) -> Result<(), ValidationError> {
+        match RESERVED_KEYS.contains(&key) {
+            true => Err(ValidationError::new(
+                Rule::MalformedJson,
+                Some(field),
+                format!(
+                    "`{field}` has the object key {}, which cannot be stored: the JSON library the store is built on reserves it",
+                    quoted(key)
+                ),
+            )),
+            false => Ok(()),
+        }
+    }
+    while let Some((field, value, level)) = stack.pop() {
+        let deeper = match value {
+            Value::Array(items) if !items.is_empty() => items.iter().collect::<Vec<_>>(),
+            Value::Object(map) if !map.is_empty() => {
+                for key in map.keys() {
+                    check_key(field, key)?;
+                }
+                map.values().collect()
+            }
+            Value::Array(_) | Value::Object(_) => Vec::new(),
+            _ => continue,
+        };
+        if level > MAX_JSON_DEPTH {
+            return Err(ValidationError::new(
+                Rule::MalformedJson,
+                Some(field),
+                format!(
+                    "`{field}` nests arrays and objects more than {MAX_JSON_DEPTH} levels deep (counting the event's own object), more than the store reads"
+                ),
+            ));
+        }
+        stack.extend(deeper.into_iter().map(|v| (field, v, level + 1)));
+    }
+    Ok(())
+}
+
 /// Refuses U+0000 in the strings the store keeps outside the payload's
 /// JSON text, which §3 allows: `mode` (the view), `call_id` (the calls
 /// index) and `summary` (the view). PostgreSQL cannot store U+0000 in a
@@ -326,6 +398,50 @@ mod tests {
     //! `event.rs`; every rule also runs through the binary in tests/cli.rs.)
 
     use super::*;
+
+    /// `check_values` refuses a value exactly when the line holding it
+    /// would not parse: the same depth, in each field that holds values.
+    #[test]
+    fn check_values_agrees_with_the_parser_on_depth() {
+        use crate::event::{parse_line, LineKind, MAX_JSON_DEPTH};
+        let nested = |levels: usize| {
+            let mut v = serde_json::json!(1);
+            for _ in 0..levels {
+                v = serde_json::Value::Array(vec![v]);
+            }
+            v
+        };
+        for levels in MAX_JSON_DEPTH - 3..=MAX_JSON_DEPTH + 1 {
+            let v = nested(levels);
+            let bodies = [
+                EventBody::ToolCall {
+                    call_id: "c".into(),
+                    tool_name: "T".into(),
+                    input: v.clone(),
+                },
+                EventBody::ToolResult {
+                    call_id: "c".into(),
+                    tool_name: "T".into(),
+                    status: crate::event::ToolStatus::Success,
+                    output: Some(v.clone()),
+                    added_tool_names: None,
+                },
+                EventBody::SessionStarted {
+                    mode: "m".into(),
+                    metadata: Some(serde_json::Map::from_iter([("k".to_owned(), v.clone())])),
+                },
+            ];
+            for body in bodies {
+                let parsed = parse_line(&body.to_json_text(), LineKind::Append, 1 << 20).is_ok();
+                assert_eq!(
+                    check_values(&body).is_ok(),
+                    parsed,
+                    "{levels} levels in a {}",
+                    body.type_name()
+                );
+            }
+        }
+    }
     use crate::event::ToolStatus::*;
     use crate::testkit::*;
 

@@ -1313,3 +1313,156 @@ async fn the_file_check_keeps_mode_ro_and_says_when_sqlite_rolled_a_journal_back
     };
     assert!(m.contains("left unchanged"), "{m}");
 }
+
+/// A value `levels` arrays deep (`levels` 0: a number).
+fn nested_array(levels: usize) -> serde_json::Value {
+    let mut v = json!(1);
+    for _ in 0..levels {
+        v = serde_json::Value::Array(vec![v]);
+    }
+    v
+}
+
+fn call_with_input(id: &str, input: serde_json::Value) -> NewEvent {
+    NewEvent::new(EventBody::ToolCall {
+        call_id: id.into(),
+        tool_name: "T".into(),
+        input,
+    })
+}
+
+// A library caller hands the store JSON values, not text: what the command
+// line's parser refuses in a line (nesting past 127 levels counting the
+// event's object, serde_json's reserved keys) is refused in values too,
+// with the rule, field and index, before anything is stored. Stored, such
+// an event could not be read back after a restart (its session and the
+// global feed failed on it), and a value thousands of levels deep
+// overflowed the stack of the task serializing it.
+both_backends!(
+    values_the_store_could_not_read_back_are_refused_before_they_are_stored,
+    |url: String| async move {
+        let store = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        store.append(s, 0, vec![started()]).await.unwrap();
+
+        // The deepest value a line may hold (126 levels inside the event's
+        // object) is stored and read back by a new process's store.
+        let deepest = nested_array(126);
+        let line = format!(
+            r#"{{"type": "tool_call", "call_id": "c0", "tool_name": "T", "input": {deepest}}}"#
+        );
+        assert!(parse_line(&line, LineKind::Append, 1 << 20).is_ok());
+        store
+            .append(s, 1, vec![call_with_input("c0", deepest.clone())])
+            .await
+            .unwrap();
+
+        // One level more, in a batch after a valid event: refused at its
+        // index, nothing of the batch stored.
+        let err = store
+            .append(
+                s,
+                2,
+                vec![prompt("before"), call_with_input("c1", nested_array(127))],
+            )
+            .await
+            .unwrap_err();
+        let Error::Invalid(v) = &err else {
+            panic!("expected a validation error, got {err:?}")
+        };
+        assert_eq!(v.rule, Rule::MalformedJson, "{v}");
+        assert_eq!(v.field.as_deref(), Some("input"), "{v}");
+        assert_eq!(v.index, Some(1), "{v}");
+        assert!(v.message.contains("127 levels"), "{v}");
+
+        // An earlier event's own error comes first (§2: event by event).
+        let err = store
+            .append(
+                s,
+                2,
+                vec![
+                    NewEvent::new(EventBody::ToolResult {
+                        call_id: "nobody".into(),
+                        tool_name: "T".into(),
+                        status: ToolStatus::Success,
+                        output: None,
+                        added_tool_names: None,
+                    }),
+                    call_with_input("c1", nested_array(127)),
+                ],
+            )
+            .await
+            .unwrap_err();
+        let Error::Invalid(v) = &err else {
+            panic!("expected a validation error, got {err:?}")
+        };
+        assert_eq!(v.rule, Rule::ResultWithoutCall, "{v}");
+        assert_eq!(v.index, Some(0), "{v}");
+
+        // Far deeper, judged on a runtime worker's stack: refused, no
+        // overflow.
+        let deep = tokio::spawn({
+            let store = Store::open(&url).await.unwrap();
+            async move {
+                let r = store
+                    .append(s, 2, vec![call_with_input("c2", nested_array(20_000))])
+                    .await;
+                store.close().await;
+                r
+            }
+        })
+        .await
+        .unwrap();
+        assert!(
+            matches!(&deep, Err(Error::Invalid(v)) if v.rule == Rule::MalformedJson),
+            "{deep:?}"
+        );
+
+        // serde_json's reserved keys, in an input and as a metadata key.
+        for key in [
+            "$serde_json::private::Number",
+            "$serde_json::private::RawValue",
+        ] {
+            let mut input = serde_json::Map::new();
+            input.insert(key.to_owned(), json!("1"));
+            let err = store
+                .append(s, 2, vec![call_with_input("c3", json!({"a": [input]}))])
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(&err, Error::Invalid(v) if v.rule == Rule::MalformedJson
+                    && v.field.as_deref() == Some("input") && v.message.contains(key)),
+                "{err:?}"
+            );
+            let mut metadata = serde_json::Map::new();
+            metadata.insert(key.to_owned(), json!(1));
+            let err = store
+                .append(
+                    Uuid::new_v4(),
+                    0,
+                    vec![NewEvent::new(EventBody::SessionStarted {
+                        mode: "agent".into(),
+                        metadata: Some(metadata),
+                    })],
+                )
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(&err, Error::Invalid(v) if v.field.as_deref() == Some("metadata")),
+                "{err:?}"
+            );
+        }
+
+        // Nothing of the refused batches was stored, and what was stored
+        // reads back in a new store (no cache).
+        store.close().await;
+        let reopened = Store::open(&url).await.unwrap();
+        let events = all_events(&reopened, s).await;
+        assert_eq!(events.len(), 2);
+        match &events[1].body {
+            EventBody::ToolCall { input, .. } => assert_eq!(input, &deepest),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(reopened.verify(s).await.unwrap(), None);
+    }
+);

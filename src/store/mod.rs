@@ -1253,6 +1253,7 @@ impl Store {
         events: Vec<NewEvent>,
         invalid_tail: Option<ValidationError>,
     ) -> Result<AppendOutcome> {
+        let (events, invalid_tail) = cut_at_unreadable(events, invalid_tail);
         let append = self.append_once(tenant, session_id, expected_seq, events, invalid_tail);
         let Some(deadline) = self.options.write_deadline else {
             return append.await;
@@ -3007,6 +3008,34 @@ pub(crate) async fn take_within<R, T>(
         }
     }
     Ok(page)
+}
+
+/// `events` up to the first whose JSON values the store could not read
+/// back ([`crate::validate::check_values`]), and that event's error as
+/// the batch's unreadable tail, as the command line has it for a line it
+/// cannot read: the events before it are judged first (§2's order), and
+/// nothing after it is serialized, compared or hashed. An `invalid_tail`
+/// given already stays when it comes first.
+fn cut_at_unreadable(
+    mut events: Vec<NewEvent>,
+    invalid_tail: Option<ValidationError>,
+) -> (Vec<NewEvent>, Option<ValidationError>) {
+    let unreadable = events.iter().enumerate().find_map(|(i, e)| {
+        crate::validate::check_values(&e.body)
+            .err()
+            .map(|err| (i, err.at_index(i)))
+    });
+    match unreadable {
+        Some((i, err)) => {
+            // Dropped a level at a time: a value deep enough to be refused
+            // may be deep enough to overflow the stack of its own drop.
+            events
+                .drain(i..)
+                .for_each(|e| crate::event::drop_flat(e.body));
+            (events, Some(err))
+        }
+        None => (events, invalid_tail),
+    }
 }
 
 /// Sleeps for about `backoff` (between half and all of it), then doubles it.
