@@ -217,7 +217,10 @@ pub enum Error {
     Corrupt(String),
     /// An append kept conflicting with other writers (or finding the
     /// storage unavailable) until the retry bound.
-    #[error("gave up appending to session {session_id} after {attempts} attempts: {last}")]
+    #[error(
+        "gave up appending to session {session_id} after {attempts} {}: {last}",
+        if *.attempts == 1 { "attempt" } else { "attempts" }
+    )]
     RetriesExhausted {
         /// The session.
         session_id: Uuid,

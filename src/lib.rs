@@ -11,10 +11,11 @@
 //!
 //! Layout: [`event`] (types, parsed once at the boundary), [`validate`] (the
 //! rules, pure), [`projector`] (the fold, pure), [`store`] (both backends,
-//! one API), [`cli`] (the binary's commands), [`audit`] (explain and
-//! refresh history), [`pi`] (pi coding agent session files read into
-//! events, pure), [`bench`] (`session-store bench`), [`pgtemp`]
-//! (throw-away PostgreSQL servers for tests and the bench).
+//! one API), `cli` (the binary's commands, with the `cli` feature),
+//! [`audit`] (explain and refresh history), [`pi`] (pi coding agent session
+//! files read into events, pure), `bench` (`session-store bench`, with the
+//! `bench` feature), [`pgtemp`] (throw-away PostgreSQL servers for tests
+//! and the bench).
 
 pub mod audit;
 #[cfg(feature = "bench")]

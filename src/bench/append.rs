@@ -477,7 +477,7 @@ impl Raw {
     }
 
     /// Inserts `rows` (of any sessions) in one transaction: one statement
-    /// when they fit one (SQLite binds at most [`SQLITE_ROWS`] rows a
+    /// when they fit one (SQLite binds at most `SQLITE_ROWS` rows a
     /// statement, as the store's inserts do), else a transaction of such
     /// statements.
     pub async fn insert_rows(&self, rows: &[RawRow]) -> Result<(), Error> {

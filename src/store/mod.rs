@@ -185,7 +185,7 @@ pub struct StoreOptions {
     #[doc(hidden)]
     pub rowless_window: i64,
     /// The payload bytes after which the cold read stops reading the
-    /// events after the view ([`WindowRead`]), and a context's first page
+    /// events after the view (`WindowRead`), and a context's first page
     /// ([`Store::context_paged`]) stops (4 MiB); tests set it small to cut
     /// every such page.
     #[doc(hidden)]
@@ -1168,6 +1168,13 @@ impl Store {
     /// took it commits anyway. An [`Error::Unavailable`] stored nothing. The
     /// same batch sent again then answers with the stored seqs (§2); a
     /// batch without ids would be appended a second time, or conflict.
+    ///
+    /// An empty batch stores nothing and answers no seqs once the expected
+    /// seq holds. An event's `recorded_at`, when given, is kept as its time
+    /// (how `import` restores an export); leave it `None` for the store's
+    /// time of the append. JSON values the store could not read back (too
+    /// deep, or a key serde_json reserves) are refused as the command line
+    /// refuses them in text ([`crate::validate::check_values`]).
     pub async fn append(
         &self,
         session_id: Uuid,
@@ -1390,6 +1397,15 @@ impl Store {
             }
             match result {
                 Ok(outcome) => return Ok(outcome),
+                // A closed store is not storage to wait for: said as it is
+                // ([`Store::close`]), unless an earlier attempt's outcome
+                // is unknown.
+                Err(e @ Error::Unavailable(_))
+                    if uncertain.is_none()
+                        && self.closed.load(std::sync::atomic::Ordering::SeqCst) =>
+                {
+                    return Err(e)
+                }
                 Err(e)
                     if e.is_retryable()
                         && attempts < policy.max_attempts.max(1)
@@ -1460,7 +1476,9 @@ impl Store {
     }
 
     /// One page of a session's history: events with seq > `after_seq`, at
-    /// most `limit` of them, in seq order.
+    /// most `limit` of them, in seq order. A session that does not exist
+    /// has an empty history (not [`Error::SessionNotFound`], which the
+    /// reads of a state answer).
     pub async fn history(
         &self,
         session_id: Uuid,

@@ -4,7 +4,7 @@
 //! (the plans are in docs/audit.md); every query can be restricted to one
 //! tenant, which the HTTP server always does.
 //!
-//! The SQL is written once, generic over the backend: [`Dialect`] binds
+//! The SQL is written once, generic over the backend: `Dialect` binds
 //! the two column types the backends store differently (ids and times).
 
 use std::collections::{HashMap, HashSet};
