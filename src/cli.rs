@@ -7,6 +7,7 @@ use std::collections::HashSet;
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
 
+use clap::builder::TypedValueParser as _;
 use clap::{Parser, Subcommand};
 use tracing::{info, warn};
 use uuid::Uuid;
@@ -356,7 +357,8 @@ pub struct ServeArgs {
     pub listen: std::net::SocketAddr,
     /// The token document (JSON: {"tokens": [{"token", "tenant",
     /// "scopes"}]}); SESSION_STORE_TOKENS may hold the document itself.
-    #[arg(long, env = "SESSION_STORE_TOKENS_FILE", value_parser = parse_tokens_file)]
+    #[arg(long, env = "SESSION_STORE_TOKENS_FILE",
+          value_parser = clap::builder::OsStringValueParser::new().try_map(parse_tokens_file))]
     pub tokens: Option<PathBuf>,
     /// Serve without tokens on a non-loopback address (behind a proxy that
     /// authenticates, for instance).
@@ -543,7 +545,7 @@ fn parse_body_limit(s: &str) -> std::result::Result<usize, String> {
 /// `serve --tokens` (or SESSION_STORE_TOKENS_FILE): a path. An empty one
 /// is most often a variable set to nothing by a deployment's template, so
 /// the refusal names both places it may have come from.
-fn parse_tokens_file(s: &str) -> std::result::Result<PathBuf, String> {
+fn parse_tokens_file(s: std::ffi::OsString) -> std::result::Result<PathBuf, String> {
     match s.is_empty() {
         true => Err(
             "the token file's path is empty (from --tokens or SESSION_STORE_TOKENS_FILE): \

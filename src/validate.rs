@@ -106,17 +106,9 @@ pub fn check_values(body: &EventBody) -> Result<(), ValidationError> {
         }
     }
     while let Some((field, value, level)) = stack.pop() {
-        let deeper = match value {
-            Value::Array(items) if !items.is_empty() => items.iter().collect::<Vec<_>>(),
-            Value::Object(map) if !map.is_empty() => {
-                for key in map.keys() {
-                    check_key(field, key)?;
-                }
-                map.values().collect()
-            }
-            Value::Array(_) | Value::Object(_) => Vec::new(),
-            _ => continue,
-        };
+        if !matches!(value, Value::Array(_) | Value::Object(_)) {
+            continue;
+        }
         if level > MAX_JSON_DEPTH {
             return Err(ValidationError::new(
                 Rule::MalformedJson,
@@ -126,7 +118,16 @@ pub fn check_values(body: &EventBody) -> Result<(), ValidationError> {
                 ),
             ));
         }
-        stack.extend(deeper.into_iter().map(|v| (field, v, level + 1)));
+        match value {
+            Value::Array(items) => stack.extend(items.iter().map(|v| (field, v, level + 1))),
+            Value::Object(map) => {
+                for (key, v) in map {
+                    check_key(field, key)?;
+                    stack.push((field, v, level + 1));
+                }
+            }
+            _ => {}
+        }
     }
     Ok(())
 }

@@ -1412,8 +1412,20 @@ both_backends!(
                 let r = store
                     .append(s, 2, vec![call_with_input("c2", nested_array(20_000))])
                     .await;
+                // append_at_head retries with copies of its batch: cut
+                // before any copy is made.
+                let at_head = store
+                    .append_at_head(
+                        s,
+                        vec![prompt("first"), call_with_input("c2", nested_array(20_000))],
+                        &session_store::RetryPolicy::default(),
+                    )
+                    .await;
                 store.close().await;
-                r
+                match at_head {
+                    Err(Error::Invalid(v)) if v.index == Some(1) => r,
+                    other => panic!("append_at_head answered {other:?}"),
+                }
             }
         })
         .await

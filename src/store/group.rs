@@ -57,11 +57,13 @@ pub(crate) struct PathCounters {
     outage: Outage,
 }
 
-/// When a group last failed whole, after waiting [`OUTAGE_WAIT`] or
-/// longer, because the storage was unavailable before anything of it was
-/// stored (no connection to PostgreSQL within the connection timeout,
-/// SQLite's lock not had within the busy timeout), and what the storage
-/// said.
+/// When a group last failed whole because the storage could not be had
+/// for [`OUTAGE_WAIT`] or longer: no connection to PostgreSQL within the
+/// connection timeout, PostgreSQL's position counter or SQLite's write
+/// lock not had within the lock or busy timeout (a writer stalled holding
+/// it). Only these failures count: the call that opens the group's write
+/// (`begin_write`, or the optimistic call, which takes the counter first),
+/// timed by itself, failing with nothing stored. And what the storage said.
 ///
 /// Why: the appends queued behind such a group waited for it, and the
 /// next group would then wait its own timeout: with PostgreSQL down, an
@@ -70,42 +72,33 @@ pub(crate) struct PathCounters {
 /// `serve` during outages). The appends that were queued before the
 /// failure are answered with it at once, untried; an append queued after
 /// it is tried as usual. Nothing is stored either way, and the answer is
-/// retryable. A group that fails at once (a connection found dead after a
-/// server restart) held nobody up: the appends behind it are tried, on
-/// the connections that answer a ping (`postgres::pool_options`).
+/// retryable. A call that fails at once (a connection found dead after a
+/// server restart, a full disk) held nobody up: the appends behind it are
+/// tried, on the connections that answer a ping (`postgres::pool_options`).
 #[derive(Default)]
 struct Outage {
-    /// When the group committing now started.
-    started: std::sync::Mutex<Option<std::time::Instant>>,
     last: std::sync::Mutex<Option<(std::time::Instant, String)>>,
 }
 
-/// How long a failing group must have waited for its failure to answer
+/// How long the failing call must have waited for its failure to answer
 /// the appends queued behind it ([`Outage`]).
 const OUTAGE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Outage {
-    /// Records `e` when it says the storage is unavailable and the group
+    /// Records `e`, the failure of the call that opens a group's write
+    /// after `waited`, when it says the storage is unavailable and the call
     /// waited [`OUTAGE_WAIT`] for it.
-    fn found(&self, e: &Error) {
-        let waited = self
-            .started
-            .lock()
-            .ok()
-            .and_then(|s| *s)
-            .is_some_and(|s| s.elapsed() >= OUTAGE_WAIT);
-        if let (Error::Unavailable(m), true, Ok(mut last)) = (e, waited, self.last.lock()) {
+    fn found(&self, e: &Error, waited: std::time::Duration) {
+        if let (Error::Unavailable(m), true, Ok(mut last)) =
+            (e, waited >= OUTAGE_WAIT, self.last.lock())
+        {
             *last = Some((std::time::Instant::now(), m.clone()));
         }
     }
 
     /// Answers the appends of `group` queued before the last outage was
-    /// found, untried, and gives back the others; the group that commits
-    /// them starts now.
+    /// found, untried, and gives back the others.
     fn answer_stale(&self, group: Vec<Pending>) -> Vec<Pending> {
-        if let Ok(mut started) = self.started.lock() {
-            *started = Some(std::time::Instant::now());
-        }
         let Some((at, why)) = self.last.lock().ok().and_then(|last| last.clone()) else {
             return group;
         };
@@ -240,14 +233,30 @@ pub(crate) async fn commit_group(
         paths.locked.fetch_add(1, Ordering::Relaxed);
         match &backend {
             Backend::Sqlite(b) => {
-                run(b.begin_write().await, &options, &states, &paths, group).await
+                let tx = opened(&paths.outage, b.begin_write()).await;
+                run(tx, &options, &states, group).await
             }
             Backend::Postgres(b) => {
-                run(b.begin_write().await, &options, &states, &paths, group).await
+                let tx = opened(&paths.outage, b.begin_write()).await;
+                run(tx, &options, &states, group).await
             }
         }
     }
     drop(slot);
+}
+
+/// The write transaction `begin` opens, its failure told to `outage` with
+/// how long it waited for it.
+async fn opened<T>(
+    outage: &Outage,
+    begin: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    let start = std::time::Instant::now();
+    let tx = begin.await;
+    if let Err(e) = &tx {
+        outage.found(e, start.elapsed());
+    }
+    tx
 }
 
 /// Judges and commits `group` under the write lock. A failed commit is
@@ -258,13 +267,11 @@ async fn run<T: LogTx>(
     tx: Result<T>,
     options: &StoreOptions,
     states: &StateCache,
-    paths: &PathCounters,
     group: Vec<Pending>,
 ) {
     let mut tx = match tx {
         Ok(tx) => tx,
         Err(e) => {
-            paths.outage.found(&e);
             for p in group {
                 let _ = p.reply.send(Err(again(&e)));
             }
@@ -305,7 +312,6 @@ async fn run<T: LogTx>(
     let prefetched = tx.prefetch(&sessions, &views, &ids, &calls).await;
     drop(calls);
     if let Err(e) = prefetched {
-        paths.outage.found(&e);
         for p in group {
             let _ = p.reply.send(Err(again(&e)));
         }
@@ -520,6 +526,7 @@ async fn optimistic<T: OptimisticTx>(
         local.into_values().for_each(|w| states.put(w));
         return None;
     }
+    let calling = std::time::Instant::now();
     let base = match tx.commit_optimistic().await {
         Ok(base) => base,
         Err(OptimisticMiss::Rejected(why)) => {
@@ -537,7 +544,7 @@ async fn optimistic<T: OptimisticTx>(
             // it failed before its commit: nothing is stored, said as it
             // is (a full disk stays "storage unavailable", not an unknown
             // outcome).
-            paths.outage.found(&e);
+            paths.outage.found(&e, calling.elapsed());
             for p in group {
                 let _ = p.reply.send(Err(again(&e)));
             }
@@ -547,6 +554,13 @@ async fn optimistic<T: OptimisticTx>(
             // Answered like a failed commit, never tried again behind the
             // caller's back: PostgreSQL's call may have committed (its
             // outcome is unknown), SQLite's query failed whole.
+            if !T::REMOTE_COMMIT {
+                // SQLite's write lock not had within the busy timeout (its
+                // query opens the transaction): nothing stored, as the
+                // answer says (`Unavailable`; a failure after the frames
+                // were written is `OutcomeUnknown`, never recorded).
+                paths.outage.found(&e, calling.elapsed());
+            }
             for p in group {
                 let _ = p.reply.send(Err(commit_failed(T::REMOTE_COMMIT, &e)));
             }

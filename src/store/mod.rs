@@ -1374,6 +1374,10 @@ impl Store {
         // Every event gets its id before the first attempt: an attempt whose
         // commit went through unseen (its reply lost with the connection)
         // is then answered idempotently by the retry, not appended twice.
+        // Cut at an event whose values the store could not read back, before
+        // anything clones the batch: a value deep enough to be refused may
+        // be deep enough to overflow the stack of a recursive clone.
+        let (events, invalid_tail) = cut_at_unreadable(events, None);
         let events: Vec<NewEvent> = events
             .into_iter()
             .map(|mut e| {
@@ -1390,7 +1394,7 @@ impl Store {
         loop {
             attempts += 1;
             let result = self
-                .append_inner(None, session_id, None, events.clone(), None)
+                .append_inner(None, session_id, None, events.clone(), invalid_tail.clone())
                 .await;
             if let Err(Error::OutcomeUnknown(why)) = &result {
                 uncertain.get_or_insert_with(|| why.clone());

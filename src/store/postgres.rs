@@ -319,9 +319,18 @@ fn noted(e: &sqlx::Error) {
         _ => false,
     };
     if broken {
-        let now = u64::try_from(since_epoch().as_millis()).unwrap_or(u64::MAX);
-        FAILED_AT.store(now.max(1), std::sync::atomic::Ordering::Relaxed);
+        connection_lost();
     }
+}
+
+/// Records that a connection to PostgreSQL was lost now (also said by a
+/// listener's connection, which is often the first to see a restart). The
+/// instant is rounded up, so a connection opened in the same millisecond
+/// is suspect too; a later failure is never overwritten by an earlier one
+/// racing it.
+pub(crate) fn connection_lost() {
+    let now = u64::try_from(since_epoch().as_millis()).unwrap_or(u64::MAX - 1) + 1;
+    FAILED_AT.fetch_max(now, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// A row of a streamed read, its connection's failure [`noted`].
@@ -1910,7 +1919,10 @@ impl PgTx {
                 let commit = async {
                     match tx.commit().await {
                         Err(e) if unknown_on_lost_answer => Err(commit_error(e)),
-                        other => other.map_err(Error::from_sqlx),
+                        other => other.map_err(|e| {
+                            noted(&e);
+                            Error::from_sqlx(e)
+                        }),
                     }
                 };
                 match within(self.deadline, commit).await {

@@ -155,7 +155,11 @@ async fn listen(source: Running, mut listener: PgListener) {
     loop {
         match tokio::time::timeout(SAFETY_POLL, listener.try_recv()).await {
             Ok(Ok(Some(n))) => debug!(payload = n.payload(), "woken by a notification"),
-            Ok(Ok(None)) => debug!("notification connection lost; catching up"),
+            Ok(Ok(None)) => {
+                debug!("notification connection lost; catching up");
+                // The pool's connections may be as dead as this one.
+                super::postgres::connection_lost();
+            }
             Ok(Err(e)) => {
                 debug!(cause = %e, "cannot listen for now; polling");
                 tokio::time::sleep(Duration::from_millis(200)).await;
