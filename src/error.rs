@@ -188,7 +188,7 @@ pub enum Error {
     },
     /// The database URL is not one the store understands. The URL is said
     /// without its password ([`redact_url`]).
-    #[error("unsupported database URL {:?}: use a file path, sqlite://PATH or postgres://…", redact_url(.0))]
+    #[error("unsupported database URL {:?}: use a file path, sqlite://PATH or postgres://… (not an in-memory SQLite database, which would lose every acknowledged append with the process, nor a path holding NUL)", redact_url(.0))]
     BadUrl(String),
     /// The database (the URL given to [`crate::Store::open`], the CLI's
     /// `--database`) names no session store: a SQLite file that does not

@@ -480,7 +480,9 @@ pub(crate) fn pool_options() -> SqlitePoolOptions {
 /// item 16). The price is a WAL of up to about 16 MB between checkpoints.
 pub(crate) fn connect_options(url: &str) -> Result<SqliteConnectOptions> {
     let path = path_of(url);
-    if path.is_empty() || is_in_memory(path) {
+    // A NUL cannot be in a file name: SQLite would fail to open it, said
+    // as a retryable I/O failure.
+    if path.is_empty() || path.contains('\0') || is_in_memory(path) {
         return Err(Error::BadUrl(url.to_owned()));
     }
     Ok(SqliteConnectOptions::from_str(&format!("sqlite://{path}"))
@@ -2398,6 +2400,12 @@ mod tests {
                 "{memory}: {refused:?}"
             );
         }
+        // A file name cannot hold NUL: a bad URL, not a storage failure to
+        // retry.
+        let nul = format!("{}/a\0b.db", dir.path().display());
+        let refused = crate::Store::open(&nul).await.map(|_| ());
+        assert!(matches!(&refused, Err(Error::BadUrl(_))), "{refused:?}");
+        assert!(!refused.unwrap_err().is_retryable());
         // The driver percent-decodes the path: the check reads the same
         // file, here another application's database.
         let spaced = dir.path().join("my app.db");
