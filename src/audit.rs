@@ -19,7 +19,7 @@
 //! exclusive: a rebuild is named when an earlier catalog of the current mode
 //! admitted the name, else the mode's catalog never did.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 
 use serde::Serialize;
 use uuid::Uuid;
@@ -307,9 +307,13 @@ impl Auditor {
                 ..
             } => {
                 self.rows.push_back((event.seq, event.event_id));
+                // In order, each once; a set beside the list, since one
+                // result may name a hundred thousand tools (a list's
+                // `contains` made this quadratic: 15 s an `explain`).
                 let mut names = vec![tool_name.clone()];
+                let mut seen: HashSet<&str> = HashSet::from([tool_name.as_str()]);
                 for n in added_tool_names.iter().flatten() {
-                    if !names.contains(n) {
+                    if seen.insert(n.as_str()) {
                         names.push(n.clone());
                     }
                 }

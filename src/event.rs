@@ -180,19 +180,28 @@ fn value_heap_bytes(value: &Value) -> usize {
     total
 }
 
+/// [`drop_flat`] of an event object's map.
+fn drop_flat_map(map: Map<String, Value>) {
+    drop_values(map.into_iter().map(|(_, v)| v).collect());
+}
+
 /// Drops `body` with an explicit stack instead of the recursive drop of
 /// its JSON values, which overflows a thread's stack on a value tens of
 /// thousands of levels deep (a library caller's, refused by
 /// `validate::check_values`).
 pub(crate) fn drop_flat(body: EventBody) {
-    let mut stack: Vec<Value> = match body {
+    drop_values(match body {
         EventBody::ToolCall { input, .. } => vec![input],
         EventBody::ToolResult { output, .. } => output.into_iter().collect(),
         EventBody::SessionStarted { metadata, .. } => {
             metadata.into_iter().flatten().map(|(_, v)| v).collect()
         }
         _ => Vec::new(),
-    };
+    })
+}
+
+/// Drops `stack`'s values a level at a time.
+fn drop_values(mut stack: Vec<Value>) {
     while let Some(mut value) = stack.pop() {
         match &mut value {
             Value::Array(items) => stack.append(items),
@@ -738,6 +747,13 @@ pub fn parse_event_object(
     mut map: Map<String, Value>,
     kind: LineKind,
 ) -> Result<ParsedLine, ValidationError> {
+    // A map built by a caller, not parsed from text: judged as the parser
+    // judges text (depth, reserved keys) before anything reads it. Dropped
+    // a level at a time when refused (its drop may be as deep).
+    if let Err(e) = crate::validate::check_object_values(&map) {
+        drop_flat_map(map);
+        return Err(e);
+    }
     for forbidden in ["seq", "position"] {
         if map.contains_key(forbidden) {
             return Err(ValidationError::new(
@@ -1030,6 +1046,49 @@ mod tests {
 
     fn parse(line: &str) -> Result<ParsedLine, ValidationError> {
         parse_line(line, LineKind::Import, DEFAULT_LIMIT)
+    }
+
+    /// A map built by a caller is judged as text is: a key serde_json
+    /// reserves is refused (it turned the object into a number), and a
+    /// value far too deep is refused on a small stack without overflowing
+    /// it (reading or dropping it recursively did).
+    #[test]
+    fn an_event_object_built_in_code_is_judged_as_text_is() {
+        let call = |input: Value| {
+            let mut map = Map::new();
+            map.insert("type".into(), Value::from("tool_call"));
+            map.insert("call_id".into(), Value::from("c"));
+            map.insert("tool_name".into(), Value::from("T"));
+            map.insert("input".into(), input);
+            map
+        };
+        for key in RESERVED_KEYS {
+            let mut inner = Map::new();
+            inner.insert(key.to_owned(), Value::from("12345"));
+            let e = parse_event_object(call(serde_json::json!({"a": inner})), LineKind::Append)
+                .map(|p| p.event.body)
+                .expect_err("a reserved key");
+            assert_eq!(
+                (e.rule, e.field.as_deref()),
+                (Rule::MalformedJson, Some("input")),
+                "{e}"
+            );
+            assert!(e.message.contains(key), "{e}");
+        }
+        let deep = std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(move || {
+                let mut v = Value::from(1);
+                for _ in 0..50_000 {
+                    v = Value::Array(vec![v]);
+                }
+                parse_event_object(call(v), LineKind::Append).map(|p| p.event.body)
+            })
+            .unwrap()
+            .join()
+            .expect("no stack overflow");
+        let e = deep.expect_err("too deep");
+        assert_eq!(e.rule, Rule::MalformedJson, "{e}");
     }
 
     const DEFAULT_LIMIT: usize = 1 << 20;

@@ -8,6 +8,7 @@ use chrono::{DateTime, Datelike, Utc};
 use crate::error::{quoted, Rule, ValidationError};
 use crate::event::EventBody;
 use crate::projector::SessionState;
+use serde_json::Value;
 
 /// The longest tool name, in bytes of UTF-8 (§3).
 pub const MAX_TOOL_NAME_BYTES: usize = 256;
@@ -71,10 +72,8 @@ fn check_non_empty(value: &str, field: &str) -> Result<(), ValidationError> {
 /// a value tens of thousands of levels deep overflowed the stack of the
 /// thread serializing it. Walked with an explicit stack.
 pub fn check_values(body: &EventBody) -> Result<(), ValidationError> {
-    use crate::event::{MAX_JSON_DEPTH, RESERVED_KEYS};
-    use serde_json::Value;
     // (field, value, level of the value if it is an array or object)
-    let mut stack: Vec<(&'static str, &Value, usize)> = Vec::new();
+    let mut stack: Vec<(&str, &Value, usize)> = Vec::new();
     match body {
         EventBody::ToolCall { input, .. } => stack.push(("input", input, 2)),
         EventBody::ToolResult {
@@ -92,19 +91,42 @@ pub fn check_values(body: &EventBody) -> Result<(), ValidationError> {
         }
         _ => {}
     }
-    fn check_key(field: &str, key: &str) -> Result<(), ValidationError> {
-        match RESERVED_KEYS.contains(&key) {
-            true => Err(ValidationError::new(
-                Rule::MalformedJson,
-                Some(field),
-                format!(
-                    "`{field}` has the object key {}, which cannot be stored: the JSON library the store is built on reserves it",
-                    quoted(key)
-                ),
-            )),
-            false => Ok(()),
-        }
+    check_tree(stack)
+}
+
+/// [`check_values`] of an event object handed over as a map
+/// ([`crate::event::parse_event_object`]), before it is read into an
+/// event: reading a value tens of thousands of levels deep overflowed the
+/// reader's stack, and a reserved key turned an object into a number.
+pub fn check_object_values(map: &serde_json::Map<String, Value>) -> Result<(), ValidationError> {
+    let mut stack = Vec::with_capacity(map.len());
+    for (key, value) in map {
+        check_key(key, key)?;
+        stack.push((key.as_str(), value, 2));
     }
+    check_tree(stack)
+}
+
+/// Refuses a key serde_json reserves, in `field`.
+fn check_key(field: &str, key: &str) -> Result<(), ValidationError> {
+    match crate::event::RESERVED_KEYS.contains(&key) {
+        true => Err(ValidationError::new(
+            Rule::MalformedJson,
+            Some(field),
+            format!(
+                "`{field}` has the object key {}, which cannot be stored: the JSON library the store is built on reserves it",
+                quoted(key)
+            ),
+        )),
+        false => Ok(()),
+    }
+}
+
+/// Walks `stack` (a field, a value, the value's level were it an array or
+/// an object) with no recursion: every key checked, no level past
+/// [`crate::event::MAX_JSON_DEPTH`].
+fn check_tree(mut stack: Vec<(&str, &Value, usize)>) -> Result<(), ValidationError> {
+    use crate::event::MAX_JSON_DEPTH;
     while let Some((field, value, level)) = stack.pop() {
         if !matches!(value, Value::Array(_) | Value::Object(_)) {
             continue;

@@ -1483,3 +1483,70 @@ both_backends!(
         assert_eq!(reopened.verify(s).await.unwrap(), None);
     }
 );
+
+// Found by a review of the library's other entry points: a result naming a
+// hundred thousand tools made `explain` and `refreshes` quadratic (15 s),
+// `verify_integrity` of a session that does not exist said it was intact,
+// and `stored_events` answered a repeated id once per chunk it fell in.
+both_backends!(
+    edge_inputs_of_the_audit_and_integrity_reads,
+    |url: String| async move {
+        let store = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        let names: Vec<String> = (0..50_000).map(|i| format!("t{i}")).collect();
+        store
+            .append(
+                s,
+                0,
+                vec![
+                    started(),
+                    call("c1", "ToolSearch"),
+                    NewEvent::new(EventBody::ToolResult {
+                        call_id: "c1".into(),
+                        tool_name: "ToolSearch".into(),
+                        status: ToolStatus::Success,
+                        output: None,
+                        added_tool_names: Some(names),
+                    }),
+                    prompt("next"),
+                ],
+            )
+            .await
+            .unwrap();
+        let start = std::time::Instant::now();
+        let why = store
+            .explain(s, "t49999", session_store::audit::At::Latest)
+            .await
+            .unwrap();
+        let mut refreshes = 0;
+        store
+            .refreshes(s, session_store::audit::At::Latest, |_| {
+                refreshes += 1;
+                Ok::<(), Error>(())
+            })
+            .await
+            .unwrap();
+        // Seconds of margin for a debug build on a busy machine; the
+        // quadratic dedup took tens of seconds here.
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(10),
+            "explain and refreshes of 50 000 names took {:?}",
+            start.elapsed()
+        );
+        assert!(format!("{why:?}").contains("t49999"), "{why:?}");
+        assert_eq!(refreshes, 1);
+
+        let missing = Uuid::new_v4();
+        let r = store.verify_integrity(Some(missing)).await;
+        assert!(
+            matches!(r, Err(Error::SessionNotFound(id)) if id == missing),
+            "{r:?}"
+        );
+
+        let stored = all_events(&store, s).await;
+        let mut ids = vec![stored[0].event_id; 5_000];
+        ids.push(stored[1].event_id);
+        let found = store.stored_events(&ids).await.unwrap();
+        assert_eq!(found.len(), 2, "each stored id once");
+    }
+);

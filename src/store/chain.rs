@@ -205,8 +205,15 @@ impl Store {
     /// no row left the global order: the first broken link of each session
     /// (an edited payload, type, time or id, a deleted, inserted or
     /// reordered row, a missing hash), and the head of each intact one.
-    /// Reads in pages: memory does not grow with the log.
+    /// Reads in pages: memory does not grow with the log. A session that
+    /// does not exist is [`Error::SessionNotFound`], as for `verify`, not
+    /// a chain of no events reported intact.
     pub async fn verify_integrity(&self, session: Option<Uuid>) -> Result<IntegrityReport> {
+        if let Some(id) = session {
+            if self.head_seq(id).await? == 0 {
+                return Err(crate::error::Error::SessionNotFound(id));
+            }
+        }
         match &self.backend {
             Backend::Sqlite(b) => verify_in(b.begin_read().await?, session).await,
             Backend::Postgres(b) => verify_in(b.begin_read().await?, session).await,

@@ -144,7 +144,7 @@ pub struct StoreOptions {
     /// hold every open behind it until its connection dies.
     pub migration_lock_wait: std::time::Duration,
     /// Seconds to wait for a connection before saying the storage is
-    /// unavailable.
+    /// unavailable; at most [`MAX_CONNECT_SECS`] (a day), however large.
     pub connect_timeout_secs: u64,
     /// Fault injection for tests: sleep this long after the events are
     /// written and before the transaction commits (holding the write lock).
@@ -252,6 +252,11 @@ impl Default for RetryPolicy {
         }
     }
 }
+
+/// The longest [`StoreOptions::connect_timeout_secs`] taken (a day): the
+/// pool adds the timeout to the current instant, which overflows (and
+/// panics) for values near `u64::MAX` seconds.
+pub const MAX_CONNECT_SECS: u64 = 86_400;
 
 /// What one appended event was given by the store.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
@@ -1901,6 +1906,11 @@ impl Store {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
+        // Each id once: looked up in chunks, a repeated id would be found
+        // once per chunk it falls in.
+        let mut seen = HashSet::new();
+        let ids: Vec<Uuid> = ids.iter().copied().filter(|id| seen.insert(*id)).collect();
+        let ids = ids.as_slice();
         match &self.backend {
             Backend::Sqlite(b) => b.begin_read().await?.stored_by_ids(ids).await,
             Backend::Postgres(b) => b.begin_read().await?.stored_by_ids(ids).await,
@@ -3061,16 +3071,44 @@ fn cut_at_unreadable(
 }
 
 /// Sleeps for about `backoff` (between half and all of it), then doubles it.
+/// `max_backoff` bounds the first sleep too, and a backoff too long to
+/// double or to count in nanoseconds saturates instead of panicking or
+/// wrapping to nothing.
 async fn sleep_jittered(backoff: &mut std::time::Duration, policy: &RetryPolicy) {
-    let nanos = backoff.as_nanos() as u64;
+    let capped = (*backoff).min(policy.max_backoff);
+    let nanos = u64::try_from(capped.as_nanos()).unwrap_or(u64::MAX);
     let jitter = Uuid::new_v4().as_u64_pair().0 % (nanos / 2 + 1);
     tokio::time::sleep(std::time::Duration::from_nanos(nanos / 2 + jitter)).await;
-    *backoff = (*backoff * 2).min(policy.max_backoff);
+    *backoff = capped.saturating_mul(2).min(policy.max_backoff);
 }
 
 #[cfg(test)]
 mod cache_tests {
     use super::*;
+
+    /// A backoff past `max_backoff`, or too long to double, is capped and
+    /// saturates: no panic, no wrap to a sleep of nothing.
+    #[tokio::test]
+    async fn retry_backoffs_are_capped_and_saturate() {
+        let policy = RetryPolicy {
+            max_backoff: std::time::Duration::from_millis(10),
+            ..RetryPolicy::default()
+        };
+        for start in [
+            std::time::Duration::MAX,
+            std::time::Duration::from_secs(1 << 63),
+            std::time::Duration::from_secs(4),
+        ] {
+            let mut backoff = start;
+            let at = std::time::Instant::now();
+            sleep_jittered(&mut backoff, &policy).await;
+            assert!(
+                at.elapsed() < std::time::Duration::from_secs(1),
+                "{start:?}"
+            );
+            assert_eq!(backoff, policy.max_backoff);
+        }
+    }
 
     /// A full cache drops the state used longest ago, not every state.
     #[test]

@@ -381,7 +381,11 @@ impl PgBackend {
     pub(crate) async fn connect(url: &str, options: &StoreOptions) -> Result<PgBackend> {
         let connect = connect_options(url)?;
         let pool = pool_options()
-            .acquire_timeout(Duration::from_secs(options.connect_timeout_secs.max(1)))
+            .acquire_timeout(Duration::from_secs(
+                options
+                    .connect_timeout_secs
+                    .clamp(1, super::MAX_CONNECT_SECS),
+            ))
             .connect_with(connect.clone())
             .await;
         match pool {

@@ -567,7 +567,12 @@ impl SqliteBackend {
         }
         check_file(url, options.create_if_missing).await?;
         let connect = connect_options(url)?;
-        let timeout = Duration::from_secs(options.connect_timeout_secs.max(1) + 10);
+        let timeout = Duration::from_secs(
+            options
+                .connect_timeout_secs
+                .clamp(1, super::MAX_CONNECT_SECS)
+                + 10,
+        );
         let mut writer = open_busy(path, || SqliteConnection::connect_with(&connect)).await?;
         check_durable(&mut writer, url).await?;
         // The file exists now. Every later connection (the pool's, a
