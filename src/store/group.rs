@@ -106,8 +106,8 @@ impl Outage {
             group.into_iter().partition(|p| p.queued < at);
         for p in stale {
             let _ = p.reply.send(Err(Error::Unavailable(format!(
-                "{why} (found by the appends committed before this one, which waited for them; \
-                 this one was not tried, and nothing of it is stored)"
+                "{why} (found while this append waited behind others; it was not tried, \
+                 and nothing of it is stored)"
             ))));
         }
         fresh

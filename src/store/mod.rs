@@ -1376,13 +1376,13 @@ impl Store {
         events: Vec<NewEvent>,
         policy: &RetryPolicy,
     ) -> Result<AppendOutcome> {
-        // Every event gets its id before the first attempt: an attempt whose
-        // commit went through unseen (its reply lost with the connection)
-        // is then answered idempotently by the retry, not appended twice.
         // Cut at an event whose values the store could not read back, before
         // anything clones the batch: a value deep enough to be refused may
         // be deep enough to overflow the stack of a recursive clone.
         let (events, invalid_tail) = cut_at_unreadable(events, None);
+        // Every event gets its id before the first attempt: an attempt whose
+        // commit went through unseen (its reply lost with the connection)
+        // is then answered idempotently by the retry, not appended twice.
         let events: Vec<NewEvent> = events
             .into_iter()
             .map(|mut e| {

@@ -667,10 +667,7 @@ impl PgBackend {
         let mut events = Vec::new();
         within(self.read_deadline, async {
             while let Some(row) = rows.next().await {
-                let (p, s, q, e, payload, t, json) = row.map_err(|e| {
-                    noted(&e);
-                    Error::from_sqlx(e)
-                })?;
+                let (p, s, q, e, payload, t, json) = row.map_err(Error::from_sqlx)?;
                 let Some(json) = json else {
                     let len = payload.len();
                     events.push((p, s, q, e, payload, t));
