@@ -713,9 +713,25 @@ impl Builder {
                 let mut text = format!("Ran `{command}`\n```\n{output}\n```");
                 if message.get("cancelled") == Some(&Value::Bool(true)) {
                     text.push_str("\n(command cancelled)");
-                } else if let Some(code) = message.get("exitCode").and_then(Value::as_i64) {
-                    if code != 0 {
-                        text.push_str(&format!("\nCommand exited with code {code}"));
+                } else {
+                    match message.get("exitCode") {
+                        None | Some(Value::Null) => {}
+                        Some(Value::Number(n)) if n.as_i64().is_some() => {
+                            if n.as_i64() != Some(0) {
+                                text.push_str(&format!("\nCommand exited with code {n}"));
+                            }
+                        }
+                        // Dropped, it read as a command that succeeded.
+                        Some(other) => {
+                            return Err(PiError::new(
+                                line,
+                                Some("message.exitCode"),
+                                format!(
+                                    "`message.exitCode` must be a whole number, found {}",
+                                    crate::error::quoted(&other.to_string())
+                                ),
+                            ))
+                        }
                     }
                 }
                 self.push(pos, entry, "0", EventBody::PromptSubmitted { text });
@@ -1127,15 +1143,27 @@ fn timestamp(
 ) -> Result<Option<DateTime<Utc>>, PiError> {
     match value {
         None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => DateTime::parse_from_rfc3339(s)
-            .map(|t| Some(t.with_timezone(&Utc)))
-            .map_err(|_| {
+        Some(Value::String(s)) => {
+            let t = DateTime::parse_from_rfc3339(s)
+                .map(|t| t.with_timezone(&Utc))
+                .map_err(|_| {
+                    PiError::new(
+                        line,
+                        Some(field),
+                        format!("`{field}` is not an ISO 8601 / RFC 3339 time: {s:?}"),
+                    )
+                })?;
+            // A time the store would refuse as an event's (a leap second,
+            // a year outside 0000-9999 in UTC) is said here, in pi's terms.
+            crate::validate::check_recorded_at(&t).map_err(|e| {
                 PiError::new(
                     line,
                     Some(field),
-                    format!("`{field}` is not an ISO 8601 / RFC 3339 time: {s:?}"),
+                    e.message.replace("`recorded_at`", &format!("`{field}`")),
                 )
-            }),
+            })?;
+            Ok(Some(t))
+        }
         Some(other) => Err(PiError::new(
             line,
             Some(field),
@@ -1539,6 +1567,37 @@ mod tests {
             r#"{"type":"message","id":"e1","parentId":null,"timestamp":"yesterday","message":{"role":"user","content":"x"}}"#,
         ]);
         assert_eq!((e.line, e.field.as_deref()), (2, Some("timestamp")));
+        // Times the store could not keep are said as pi's field, not later
+        // as the store's `recorded_at`.
+        for bad in ["2016-12-31T23:59:60Z", "0000-01-01T00:00:00+01:00"] {
+            let e = err(&[
+                HEADER,
+                &format!(
+                    r#"{{"type":"message","id":"e1","parentId":null,"timestamp":"{bad}","message":{{"role":"user","content":"x"}}}}"#
+                ),
+            ]);
+            assert_eq!(
+                (e.line, e.field.as_deref()),
+                (2, Some("timestamp")),
+                "{bad}"
+            );
+            assert!(!e.message.contains("recorded_at"), "{}", e.message);
+        }
+        // An exit code that is not a whole number is refused, not dropped
+        // (dropped, the command read as one that succeeded).
+        for bad in ["1.5", "1e400", "\"1\""] {
+            let e = err(&[
+                HEADER,
+                &format!(
+                    r#"{{"type":"message","id":"e1","parentId":null,"message":{{"role":"bashExecution","command":"ls","output":"","exitCode":{bad}}}}}"#
+                ),
+            ]);
+            assert_eq!(
+                (e.line, e.field.as_deref()),
+                (2, Some("message.exitCode")),
+                "{bad}"
+            );
+        }
         let e = err(&[
             HEADER,
             r#"{"type":"message","id":"e1","parentId":null,"message":{"role":"assistant","content":[{"type":"toolCall","id":"c","name":"a","arguments":{}},{"type":"toolCall","id":"c","name":"b","arguments":{}}]}}"#,
