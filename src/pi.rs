@@ -1117,9 +1117,27 @@ impl Builder {
 }
 
 fn parse_object(line: usize, text: &str) -> Result<Map<String, Value>, PiError> {
+    if text.starts_with('\u{feff}') {
+        return Err(PiError::new(
+            line,
+            None,
+            "the line starts with a byte order mark (U+FEFF), which JSON does not allow: \
+             pi writes its files without one, so something else edited this file",
+        ));
+    }
     crate::event::check_reserved_key(text.as_bytes()).map_err(|m| PiError::new(line, None, m))?;
     match serde_json::from_str::<Value>(text) {
-        Ok(Value::Object(m)) => Ok(m),
+        // A key given twice would keep only one of its values (the import
+        // line's rule, `event::parse_line`).
+        Ok(Value::Object(m)) => match crate::event::check_unique_keys(text.as_bytes()) {
+            Ok(()) => Ok(m),
+            Err(e) => Err(PiError::new(
+                line,
+                None,
+                crate::event::json_error_said("malformed JSON", &e)
+                    .replace(" at line 1 column ", " at column "),
+            )),
+        },
         Ok(other) => Err(PiError::new(
             line,
             None,
@@ -1583,6 +1601,20 @@ mod tests {
             );
             assert!(!e.message.contains("recorded_at"), "{}", e.message);
         }
+        // A key given twice, and a byte order mark, are said as such.
+        let e = err(&[
+            HEADER,
+            r#"{"type":"message","id":"e1","id":"e2","parentId":null,"message":{"role":"user","content":"x"}}"#,
+        ]);
+        assert_eq!(e.line, 2);
+        assert!(
+            e.message.contains("\"id\" appears twice at column"),
+            "{}",
+            e.message
+        );
+        let e = err(&[&format!("\u{feff}{HEADER}")]);
+        assert_eq!(e.line, 1);
+        assert!(e.message.contains("byte order mark"), "{}", e.message);
         // An exit code that is not a whole number is refused, not dropped
         // (dropped, the command read as one that succeeded).
         for bad in ["1.5", "1e400", "\"1\""] {
