@@ -645,6 +645,14 @@ pub const LINE_ESCAPE_FACTOR: usize = 6;
 /// that a hostile input cannot exhaust the stack.
 pub const MAX_JSON_DEPTH: usize = 127;
 
+/// [`json_error_said`] of one line of input ("malformed JSON"): serde_json
+/// places its error at line 1 of the text it was given, which is the
+/// input's line, whose number is the caller's to give: the column is what
+/// is left to say.
+pub(crate) fn line_json_error(e: &serde_json::Error) -> String {
+    json_error_said("malformed JSON", e).replace(" at line 1 column ", " at column ")
+}
+
 /// serde_json's error said for a person, after `prefix` ("malformed
 /// JSON"). Its recursion limit is no flaw of the text, so it is said as
 /// the store's limit, not as malformed JSON.
@@ -688,14 +696,8 @@ pub fn parse_line(
             ),
         ));
     }
-    // serde_json places an error "at line 1 column N" of the text it was
-    // given, which is one line of the input: the input's line number is
-    // the caller's to give, the column is what is left to say.
-    let malformed = |e: serde_json::Error| {
-        let said =
-            json_error_said("malformed JSON", &e).replace(" at line 1 column ", " at column ");
-        ValidationError::new(Rule::MalformedJson, None, said)
-    };
+    let malformed =
+        |e: serde_json::Error| ValidationError::new(Rule::MalformedJson, None, line_json_error(&e));
     check_reserved_key(line.as_bytes())
         .map_err(|m| ValidationError::new(Rule::MalformedJson, None, m))?;
     let value: Value = serde_json::from_str(line).map_err(malformed)?;
@@ -707,7 +709,7 @@ pub fn parse_line(
             "an event must be a JSON object",
         ));
     };
-    parse_event_object(map, kind)
+    read_event_object(map, kind)
 }
 
 fn take_uuid(
@@ -744,7 +746,7 @@ fn kind_of(v: &Value) -> &'static str {
 
 /// Parses an event from a JSON object (see [`parse_line`]).
 pub fn parse_event_object(
-    mut map: Map<String, Value>,
+    map: Map<String, Value>,
     kind: LineKind,
 ) -> Result<ParsedLine, ValidationError> {
     // A map built by a caller, not parsed from text: judged as the parser
@@ -754,6 +756,16 @@ pub fn parse_event_object(
         drop_flat_map(map);
         return Err(e);
     }
+    read_event_object(map, kind)
+}
+
+/// [`parse_event_object`] of a map whose depth and keys are already
+/// judged: one [`parse_line`] parsed from text, whose parser and
+/// [`check_reserved_key`] did.
+fn read_event_object(
+    mut map: Map<String, Value>,
+    kind: LineKind,
+) -> Result<ParsedLine, ValidationError> {
     for forbidden in ["seq", "position"] {
         if map.contains_key(forbidden) {
             return Err(ValidationError::new(

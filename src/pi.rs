@@ -716,10 +716,9 @@ impl Builder {
                 } else {
                     match message.get("exitCode") {
                         None | Some(Value::Null) => {}
+                        Some(Value::Number(n)) if n.as_i64() == Some(0) => {}
                         Some(Value::Number(n)) if n.as_i64().is_some() => {
-                            if n.as_i64() != Some(0) {
-                                text.push_str(&format!("\nCommand exited with code {n}"));
-                            }
+                            text.push_str(&format!("\nCommand exited with code {n}"));
                         }
                         // Dropped, it read as a command that succeeded.
                         Some(other) => {
@@ -1131,12 +1130,7 @@ fn parse_object(line: usize, text: &str) -> Result<Map<String, Value>, PiError> 
         // line's rule, `event::parse_line`).
         Ok(Value::Object(m)) => match crate::event::check_unique_keys(text.as_bytes()) {
             Ok(()) => Ok(m),
-            Err(e) => Err(PiError::new(
-                line,
-                None,
-                crate::event::json_error_said("malformed JSON", &e)
-                    .replace(" at line 1 column ", " at column "),
-            )),
+            Err(e) => Err(PiError::new(line, None, crate::event::line_json_error(&e))),
         },
         Ok(other) => Err(PiError::new(
             line,
