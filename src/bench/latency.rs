@@ -1,7 +1,7 @@
 //! Phase 2, pre-request latency: what a sidecar reads before each model
 //! request (the latest activation set and effective context), against the
 //! naive fold of the whole log that a store without a view (a JSONL file,
-//! the agent SDK sessions of `shared/notes/measured-ceilings.md`) must do.
+//! the agent SDK sessions of `docs/measured-ceilings.md`) must do.
 //!
 //! Three steps, each its own child process so each has its own peak RSS:
 //!

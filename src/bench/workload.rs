@@ -7,7 +7,7 @@
 //! in ten fails), and an assistant message. Every 25 turns the session is
 //! compacted, every 40 it switches to `plan` for a turn and back, every 100
 //! the `agent` catalog is rebuilt. The average event is about 1 KB of JSON,
-//! three times the rows of `shared/notes/measured-ceilings.md`, because tool
+//! three times the rows of `docs/measured-ceilings.md`, because tool
 //! outputs dominate real transcripts.
 //!
 //! Texts come from a small pool built once from a seeded generator, so
