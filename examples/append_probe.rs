@@ -9,6 +9,10 @@
 use session_store::bench::append::{run_plan, AppendPlan};
 use session_store::pgtemp::{find_pg_bin, PgServer, PgTempOptions};
 
+// The binary's allocator (src/main.rs), so the figures are the bench's.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt()

@@ -21,6 +21,10 @@ fn prompt(text: String) -> Vec<NewEvent> {
     vec![NewEvent::new(EventBody::PromptSubmitted { text })]
 }
 
+// The binary's allocator (src/main.rs), so the figures are the bench's.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();

@@ -7,6 +7,15 @@ use std::io::Write;
 use clap::Parser;
 use session_store::cli::{run, Cli};
 
+/// mimalloc rather than the system's allocator: a pre-request read decodes
+/// a window of events into many small JSON values and frees them, and
+/// glibc's malloc and free were a quarter of its time (`perf`); with
+/// mimalloc its median fell by about a quarter (docs/benchmarks.md, item
+/// 41). Only the binary's choice: the library leaves the allocator to the
+/// program that embeds it.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() {
     let cli = Cli::parse();
     // sqlx's warnings (a pooled connection that failed its test on

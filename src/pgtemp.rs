@@ -252,6 +252,26 @@ impl PgServer {
             .output();
     }
 
+    /// Shuts the server down cleanly (`-m fast`: a final checkpoint, no
+    /// crash recovery at the next start) and starts it again: its shared
+    /// buffers start empty, as after a host's restart.
+    pub fn restart(&self) -> Result<(), PgTempError> {
+        let out = pg_command(&self.bin, "pg_ctl")
+            .arg("-D")
+            .arg(self.dir.join("data"))
+            .args(["-m", "fast", "-w", "-t", "60", "stop"])
+            .output()
+            .map_err(|e| PgTempError(format!("cannot run pg_ctl stop: {e}")))?;
+        if !out.status.success() {
+            return Err(PgTempError(format!(
+                "pg_ctl stop failed: {} {}",
+                String::from_utf8_lossy(&out.stdout).trim(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        self.launch()
+    }
+
     /// Stops the server and removes its directory now, rather than when the
     /// process exits.
     pub fn shutdown(self) {

@@ -8,17 +8,20 @@
 //! - **build**: one session per size, written with the realistic mix in
 //!   appends of 1 000 events through `Store::append` (timed: the bulk-load
 //!   throughput). Every session ends on the same kind of recent past: a
-//!   compaction, ten turns of the mix and a prompt, so the effective window
-//!   is about the same at every size and only the history before it grows.
+//!   compaction, then the turns of the mix up to the next one (the fullest
+//!   window the mix reaches, about 140 events) and a prompt, so the
+//!   effective window is the same at every size and only the history
+//!   before it grows.
 //! - **read**: per size, `Store::activations` then `Store::context`, both
 //!   "as of the latest event", each sample after `Store::clear_cache` (a
-//!   freshly started sidecar's cold path: the view, the window, the events
-//!   after the view); p50/p99 over the samples. Then the next turn: 21
+//!   freshly started sidecar's path: the view, the window, the events
+//!   after the view, with the store's cache empty; the database's and the
+//!   kernel's caches are warm); p50/p99 over the samples. Then the next turn: 21
 //!   prompts appended one at a time (each rewrites the view), timed.
 //! - **fold**: per size, the session written once as a JSON-lines file
 //!   (`export`'s lines, what a JSONL-file store keeps), then, timed, the
-//!   naive fold: the file read and every line parsed and folded with
-//!   `SessionState::apply`, then the same two answers. Beside it the
+//!   naive fold: the file read and every line parsed (the store's own line
+//!   parser) and folded with `SessionState::apply`, then the same two answers. Beside it the
 //!   store's own fold of the whole log through `Store::history` pages (the
 //!   `--at-seq` path), which pays the database's reads on top.
 
@@ -31,9 +34,9 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use super::stats::Latency;
-use super::workload::{Mix, TextPool};
+use super::workload::{Mix, TextPool, COMPACT_EVERY};
 use super::BenchError;
-use crate::event::{parse_event_object, EventBody, LineKind, NewEvent, StoredEvent};
+use crate::event::{parse_line, EventBody, LineKind, NewEvent, StoredEvent};
 use crate::projector::SessionState;
 use crate::store::{BackendKind, Store};
 
@@ -74,17 +77,22 @@ pub struct Built {
 
 /// Builds one session per size.
 pub async fn build(url: &str, quick: bool) -> Result<Vec<Built>, BenchError> {
+    build_sizes(url, &sizes(quick)).await
+}
+
+/// Builds one session of each of `sizes` (`examples/read_probe` builds one).
+pub async fn build_sizes(url: &str, sizes: &[u64]) -> Result<Vec<Built>, BenchError> {
     let store = Store::open(url).await?;
     let pool = Arc::new(TextPool::new());
     let mut out = Vec::new();
-    for (i, size) in sizes(quick).into_iter().enumerate() {
+    for (i, &size) in sizes.iter().enumerate() {
         let session = Uuid::new_v4();
         let mut mix = Mix::new(pool.clone(), 0, 100 + i as u64);
         let started = Instant::now();
         let mut head = 0i64;
         let mut pending: Vec<NewEvent> = Mix::header().into_iter().map(NewEvent::new).collect();
-        // The history: all but about the last 70 events.
-        let history = size.saturating_sub(70) as i64;
+        // The history: all but about the last 150 events (the tail).
+        let history = size.saturating_sub(150) as i64;
         while head + (pending.len() as i64) < history {
             let left = (history - head) as usize - pending.len();
             let room = BUILD_BATCH.saturating_sub(pending.len());
@@ -102,7 +110,7 @@ pub async fn build(url: &str, quick: bool) -> Result<Vec<Built>, BenchError> {
         tail.extend(mix.drain_turn());
         tail.push(mix.compaction());
         mix.housekeeping = false;
-        for _ in 0..10 {
+        for _ in 1..COMPACT_EVERY {
             tail.push(mix.next_body());
             tail.extend(mix.drain_turn());
         }
@@ -141,9 +149,9 @@ pub struct Read {
     pub window_events: i64,
     /// Bytes of JSON of the context's rows.
     pub context_bytes: usize,
-    /// Activations + context, cold cache.
+    /// Activations + context, the store's cache emptied before each.
     pub pre_request: Latency,
-    /// Activations alone, cold cache.
+    /// Activations alone, the store's cache emptied before each.
     pub activations_only: Latency,
     /// Appending one prompt after the reads, cache warm.
     pub next_append: Latency,
@@ -259,7 +267,7 @@ fn fold_repeats(size: u64, quick: bool) -> usize {
         (..=1_000, _) => 21,
         (..=10_000, _) => 11,
         (..=100_000, _) => 5,
-        _ => 2,
+        _ => 3,
     }
 }
 
@@ -303,10 +311,9 @@ pub fn jsonl_fold(path: &Path, session: Uuid) -> Result<SessionState, BenchError
     for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
         let n = i + 1;
         let line = line.map_err(|e| bad(n, e.to_string()))?;
-        let map = serde_json::from_str(&line).map_err(|e| bad(n, e.to_string()))?;
-        let parsed =
-            parse_event_object(map, LineKind::Import).map_err(|e| bad(n, e.to_string()))?;
-        let event = parsed.event;
+        let event = parse_line(&line, LineKind::Import, usize::MAX)
+            .map_err(|e| bad(n, e.to_string()))?
+            .event;
         state.apply(&StoredEvent {
             session_id: session,
             seq: n as i64,

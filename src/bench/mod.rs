@@ -359,9 +359,8 @@ async fn settle(kind: BackendKind, url: &str) {
     .await;
 }
 
-/// Runs one phase in a child process of this binary.
+/// Runs one phase in a child process of this binary (after [`settle`]).
 async fn child(kind: BackendKind, spec: PhaseSpec) -> Result<PhaseOutput, BenchError> {
-    settle(kind, &spec.url).await;
     let failed = |detail: String| BenchError::Phase {
         phase: spec.phase.name().to_owned(),
         backend: backend_name(kind).to_owned(),
@@ -469,9 +468,12 @@ async fn measure(
     kind: BackendKind,
     dbs: &Databases,
     quick: bool,
+    server: Option<&PgServer>,
 ) -> Result<BackendReport, BenchError> {
     let name = backend_name(kind);
     let mut memory = Vec::new();
+    let cold_done = std::cell::Cell::new(recovery::Cold::default());
+    let cold_done = &cold_done;
     let run = |phase: Phase, url: &str, built: Vec<latency::Built>| {
         let spec = PhaseSpec {
             phase,
@@ -481,6 +483,14 @@ async fn measure(
         };
         eprintln!("{name}: {} phase", phase.name());
         async move {
+            settle(kind, &spec.url).await;
+            if phase == Phase::Recover {
+                // After the settling, whose VACUUM would read the tables
+                // back into the caches.
+                let cold = recovery::chill(server);
+                eprintln!("{name}: before the first open: {}", cold.describe());
+                cold_done.set(cold);
+            }
             let out = child(kind, spec).await?;
             Ok::<_, BenchError>((phase, out))
         }
@@ -509,7 +519,8 @@ async fn measure(
     let folds: Vec<latency::Fold> = decode(kind, p, &out)?;
     let (p, out) = run(Phase::Recover, &dbs.sessions_url, built.clone()).await?;
     record(p, &out);
-    let recover: recovery::Recover = decode(kind, p, &out)?;
+    let mut recover: recovery::Recover = decode(kind, p, &out)?;
+    recover.cold = cold_done.get();
     let (p, out) = run(Phase::Rebuild, &dbs.sessions_url, vec![]).await?;
     record(p, &out);
     let rebuild: recovery::Rebuild = decode(kind, p, &out)?;
@@ -584,7 +595,7 @@ pub async fn run(config: &BenchConfig, out: &mut dyn std::io::Write) -> Result<R
                 BackendKind::Sqlite => scratch.sqlite(config.dir.as_deref())?,
                 BackendKind::Postgres => scratch.postgres(config.postgres_url.as_deref()).await?,
             };
-            measure(*kind, &dbs, config.quick).await
+            measure(*kind, &dbs, config.quick, scratch.pg_server.as_ref()).await
         }
         .await;
         scratch.clean().await;

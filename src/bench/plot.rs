@@ -58,7 +58,7 @@ fn draw(report: &Report, path: &Path) -> Result<(), Box<dyn std::error::Error>> 
     root.fill(&WHITE)?;
     let mut chart = ChartBuilder::on(&root)
         .caption(
-            "Pre-request read (activations + context, cold) vs naive fold",
+            "Pre-request read (activations + context) vs naive fold",
             ("sans-serif", 22),
         )
         .margin(16)

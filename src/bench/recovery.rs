@@ -3,9 +3,10 @@
 //!
 //! - **recover**: `Store::open` (connect, migrations check) and
 //!   `Store::recover` of the largest session, the first time in a fresh
-//!   process (nothing of the store cached; the operating system's page cache
-//!   and PostgreSQL's buffers are warm from the build, which a real restart
-//!   may not have), then again with a new `Store` each time.
+//!   process, cold: nothing of the store cached, and where the bench may
+//!   (see [`Cold`]) the operating system's page cache dropped and the
+//!   bench's own PostgreSQL server restarted, as after a host's restart;
+//!   then again with a new `Store` each time, warm.
 //! - **rebuild**: `Store::rebuild` of every session of the database (the
 //!   built sessions), events of the log per second.
 
@@ -18,6 +19,56 @@ use super::stats::{Latency, Spread};
 use super::BenchError;
 use crate::store::Store;
 
+/// What was emptied before the first open of the recover phase, so that a
+/// report says how cold "cold" was. Each is best effort: dropping the page
+/// cache needs root on Linux, and only a server the bench started itself
+/// is restarted (never one given with `--postgres-url`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Cold {
+    /// The operating system's page cache was dropped
+    /// (`/proc/sys/vm/drop_caches`, after a `sync`).
+    pub page_cache_dropped: bool,
+    /// PostgreSQL was shut down and started again, its buffers empty.
+    pub server_restarted: bool,
+}
+
+impl Cold {
+    /// How the first open was cold, in words.
+    pub fn describe(&self) -> &'static str {
+        match (self.page_cache_dropped, self.server_restarted) {
+            (true, true) => "page cache dropped, server restarted",
+            (true, false) => "page cache dropped",
+            (false, true) => "server restarted, page cache warm",
+            (false, false) => "page cache warm",
+        }
+    }
+}
+
+/// Empties what the bench may before a cold open: PostgreSQL's buffers
+/// (by restarting `server`, the bench's own), then the kernel's page cache.
+/// A step that fails is reported as not done, with a warning: a warm figure
+/// labelled as such is still a figure.
+pub fn chill(server: Option<&crate::pgtemp::PgServer>) -> Cold {
+    let mut cold = Cold::default();
+    if let Some(server) = server {
+        match server.restart() {
+            Ok(()) => cold.server_restarted = true,
+            Err(e) => {
+                tracing::warn!(cause = %e, "restarting PostgreSQL before the recover phase failed")
+            }
+        }
+    }
+    let synced = std::process::Command::new("sync")
+        .stdin(std::process::Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    // 3: the page cache and the dentries and inodes; writable by root only,
+    // and absent outside Linux.
+    cold.page_cache_dropped = synced && std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok();
+    cold
+}
+
 /// Recovery of one session.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Recover {
@@ -29,6 +80,10 @@ pub struct Recover {
     pub first_recover_ms: f64,
     /// Open + recover over all repeats (the first included).
     pub open_and_recover: Latency,
+    /// What was emptied before the first open (absent in reports before
+    /// it was recorded: those first opens had warm page caches).
+    #[serde(default)]
+    pub cold: Cold,
 }
 
 /// Opens the store and recovers `session`, `repeats` times.
@@ -54,6 +109,7 @@ pub async fn recover(url: &str, session: Uuid, repeats: usize) -> Result<Recover
         first_open_and_recover_ms: samples[0].as_secs_f64() * 1e3,
         first_recover_ms: first_recover.as_secs_f64() * 1e3,
         open_and_recover: Latency::of(&samples),
+        cold: Cold::default(),
     };
     eprintln!(
         "  open + recover at {events} events: first {:.2} ms (recover {:.2} ms), median {:.2} ms",

@@ -108,9 +108,9 @@ pub struct LatencyRow {
     pub window_events: i64,
     /// JSON bytes of the context's rows.
     pub context_bytes: usize,
-    /// Activations + context, cold cache.
+    /// Activations + context, the store's cache emptied before each.
     pub pre_request: Latency,
-    /// Activations alone, cold cache.
+    /// Activations alone, the store's cache emptied before each.
     pub activations_only: Latency,
     /// One prompt appended after the reads, cache warm.
     pub next_append: Latency,
@@ -254,7 +254,7 @@ pub fn write_tables(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
 
     writeln!(
         out,
-        "\n## Pre-request latency (activations + context, cold cache) and the naive fold, ms\n"
+        "\n## Pre-request latency (activations + context, the store's cache emptied) and the naive fold, ms\n"
     )?;
     writeln!(
         out,
@@ -317,17 +317,18 @@ pub fn write_tables(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
     writeln!(out, "\n## Recovery\n")?;
     writeln!(
         out,
-        "| backend | session events | open + recover, first (recover alone) ms | open + recover p50 / max ms | rebuild: sessions, events | rebuild events/s, median (min–max) of runs |"
+        "| backend | session events | open + recover, first (recover alone) ms | first open was cold: | open + recover p50 / max ms | rebuild: sessions, events | rebuild events/s, median (min–max) of runs |"
     )?;
-    writeln!(out, "|---|---:|---:|---:|---:|---:|")?;
+    writeln!(out, "|---|---:|---:|---|---:|---:|---:|")?;
     for b in &r.backends {
         writeln!(
             out,
-            "| {} | {} | {} ({}) | {} / {} | {}, {} | {} of {} |",
+            "| {} | {} | {} ({}) | {} | {} / {} | {}, {} | {} of {} |",
             b.name,
             b.recover.events,
             ms(b.recover.first_open_and_recover_ms),
             ms(b.recover.first_recover_ms),
+            b.recover.cold.describe(),
             ms(b.recover.open_and_recover.p50_ms),
             ms(b.recover.open_and_recover.max_ms),
             b.rebuild.sessions,

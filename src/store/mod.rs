@@ -1558,9 +1558,12 @@ impl Store {
             return Ok(state);
         }
         match self.latest_fast(session_id, Needs::Evidence).await? {
+            // The rows go to the cache, not to the caller, who needs none
+            // (as a long window's answer, below, has none).
             Some(Latest::Full(state)) => {
-                self.cache_state(state.clone());
-                Ok(state)
+                let answer = state.without_rows();
+                self.cache_state(state);
+                Ok(answer)
             }
             Some(Latest::Rowless(state)) => {
                 self.rowless.put_read(state.clone());
@@ -1847,6 +1850,17 @@ impl Store {
 
     /// The effective context (§5) as of `at_seq` or the latest event.
     pub async fn context(&self, session_id: Uuid, at_seq: Option<i64>) -> Result<Context> {
+        // The latest context of a cached session is made from the cached
+        // state in place: copying the state first, then its rows into the
+        // answer, copied the window twice (a sidecar asks this before every
+        // request, right after the activation set loaded the state).
+        if at_seq.is_none() {
+            if let Some(context) = self.states.peek(session_id, SessionState::context) {
+                if self.head_seq(session_id).await? == context.as_of_seq {
+                    return Ok(context);
+                }
+            }
+        }
         Ok(self.state(session_id, at_seq).await?.context())
     }
 
