@@ -136,6 +136,11 @@ fn quick_bench_on_sqlite_writes_every_section() {
     positive(&report, "machine.cpus");
     positive(&report, "mix.average_event_bytes");
     check_backend(&report, "sqlite");
+    // A smoke test leaves the machine's page cache alone (only a full run
+    // drops it), and SQLite has no server to restart.
+    let cold = &report["backends"][0]["recover"]["cold"];
+    assert_eq!(cold["page_cache_dropped"], false, "{cold}");
+    assert_eq!(cold["server_restarted"], false, "{cold}");
 }
 
 #[test]
@@ -148,7 +153,13 @@ fn quick_bench_on_postgres_writes_every_section() {
     } else if common::pg_bin().is_none() {
         return;
     }
+    let own_server = extra.is_empty();
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
     let report = run_bench("postgres", dir.path(), &extra);
     check_backend(&report, "postgres");
+    // The bench restarts only a server it started itself, before the
+    // recover phase, and the phases after it ran on the restarted server.
+    let cold = &report["backends"][0]["recover"]["cold"];
+    assert_eq!(cold["server_restarted"], own_server, "{cold}");
+    assert_eq!(cold["page_cache_dropped"], false, "{cold}");
 }

@@ -26,6 +26,9 @@ async fn check_log(url: &str, seed: u64, len: usize) -> Result<(), TestCaseError
     // A reader that stays open, answering from the view alone: it keeps
     // its rowless state and applies each batch's events to it.
     let kept = rowless_store(url).await;
+    // A reader whose cache is warm from the batch before: the writer's
+    // appends since must show in its latest context and activation set.
+    let warm = Store::open(url).await.unwrap();
     let mut rng = Rng::new(seed ^ 0xabcdef);
     let mut done = 0;
     while done < events.len() {
@@ -60,6 +63,16 @@ async fn check_log(url: &str, seed: u64, len: usize) -> Result<(), TestCaseError
         prop_assert_eq!(r.context_start_seq, expected.window_start);
         prop_assert_eq!(&r.catalog, &expected.current_catalog().to_vec());
         reader.close().await;
+        prop_assert_eq!(
+            warm.context(session, None).await.unwrap(),
+            expected.context(),
+            "a warm reader's context after {} events",
+            done
+        );
+        prop_assert_eq!(
+            warm.activations(session, None).await.unwrap(),
+            expected.activations()
+        );
         // One that reads no window (as for a never-compacted session's
         // long one): the view's evidence and the events after it.
         let rowless = rowless_store(url).await;
@@ -128,6 +141,7 @@ async fn check_log(url: &str, seed: u64, len: usize) -> Result<(), TestCaseError
     }
     paged.close().await;
     kept.close().await;
+    warm.close().await;
     // Rebuilding changes nothing that verify can see.
     writer.rebuild(session).await.unwrap();
     prop_assert_eq!(writer.verify(session).await.unwrap(), None);

@@ -487,7 +487,7 @@ async fn measure(
             if phase == Phase::Recover {
                 // After the settling, whose VACUUM would read the tables
                 // back into the caches.
-                let cold = recovery::chill(server);
+                let cold = recovery::chill(server, !quick)?;
                 eprintln!("{name}: before the first open: {}", cold.describe());
                 cold_done.set(cold);
             }

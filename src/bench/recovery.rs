@@ -3,9 +3,10 @@
 //!
 //! - **recover**: `Store::open` (connect, migrations check) and
 //!   `Store::recover` of the largest session, the first time in a fresh
-//!   process, cold: nothing of the store cached, and where the bench may
-//!   (see [`Cold`]) the operating system's page cache dropped and the
-//!   bench's own PostgreSQL server restarted, as after a host's restart;
+//!   process, cold: nothing of the store cached, the bench's own
+//!   PostgreSQL server restarted, and in a full run where the bench may
+//!   (see [`Cold`]) the operating system's page cache dropped, as after a
+//!   host's restart;
 //!   then again with a new `Store` each time, warm.
 //! - **rebuild**: `Store::rebuild` of every session of the database (the
 //!   built sessions), events of the log per second.
@@ -45,28 +46,37 @@ impl Cold {
 }
 
 /// Empties what the bench may before a cold open: PostgreSQL's buffers
-/// (by restarting `server`, the bench's own), then the kernel's page cache.
-/// A step that fails is reported as not done, with a warning: a warm figure
-/// labelled as such is still a figure.
-pub fn chill(server: Option<&crate::pgtemp::PgServer>) -> Cold {
+/// (by restarting `server`, the bench's own), then, when `drop_page_cache`
+/// (a full run: the drop slows every process of the machine for a while,
+/// so a `--quick` smoke test, run beside other tests, leaves it), the
+/// kernel's page cache. A failed drop is reported as not done: a warm
+/// figure labelled as such is still a figure. A failed restart is an
+/// error, since the server may be left stopped and every later phase
+/// would fail for a reason it could not tell. Blocking: the parent
+/// process waits for nothing else meanwhile.
+pub fn chill(
+    server: Option<&crate::pgtemp::PgServer>,
+    drop_page_cache: bool,
+) -> Result<Cold, BenchError> {
     let mut cold = Cold::default();
     if let Some(server) = server {
-        match server.restart() {
-            Ok(()) => cold.server_restarted = true,
-            Err(e) => {
-                tracing::warn!(cause = %e, "restarting PostgreSQL before the recover phase failed")
-            }
-        }
+        server.restart().map_err(|e| {
+            BenchError::Setup(format!(
+                "restarting PostgreSQL before the recover phase failed: {e}"
+            ))
+        })?;
+        cold.server_restarted = true;
     }
-    let synced = std::process::Command::new("sync")
-        .stdin(std::process::Stdio::null())
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false);
-    // 3: the page cache and the dentries and inodes; writable by root only,
-    // and absent outside Linux.
-    cold.page_cache_dropped = synced && std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok();
-    cold
+    if drop_page_cache {
+        let synced = std::process::Command::new("sync")
+            .stdin(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        // 3: the page cache and the dentries and inodes; writable by root
+        // only, and absent outside Linux.
+        cold.page_cache_dropped = synced && std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok();
+    }
+    Ok(cold)
 }
 
 /// Recovery of one session.

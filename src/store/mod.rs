@@ -1558,12 +1558,9 @@ impl Store {
             return Ok(state);
         }
         match self.latest_fast(session_id, Needs::Evidence).await? {
-            // The rows go to the cache, not to the caller, who needs none
-            // (as a long window's answer, below, has none).
             Some(Latest::Full(state)) => {
-                let answer = state.without_rows();
-                self.cache_state(state);
-                Ok(answer)
+                self.cache_state(state.clone());
+                Ok(state)
             }
             Some(Latest::Rowless(state)) => {
                 self.rowless.put_read(state.clone());
@@ -1854,10 +1851,17 @@ impl Store {
         // state in place: copying the state first, then its rows into the
         // answer, copied the window twice (a sidecar asks this before every
         // request, right after the activation set loaded the state).
+        // The head is checked first, so a state another instance has
+        // appended past is not copied only to be thrown away.
         if at_seq.is_none() {
-            if let Some(context) = self.states.peek(session_id, SessionState::context) {
-                if self.head_seq(session_id).await? == context.as_of_seq {
-                    return Ok(context);
+            if let Some(seq) = self.states.peek(session_id, |state| state.seq) {
+                if self.head_seq(session_id).await? == seq {
+                    let context = self.states.peek(session_id, |state| {
+                        (state.seq == seq).then(|| state.context())
+                    });
+                    if let Some(Some(context)) = context {
+                        return Ok(context);
+                    }
                 }
             }
         }
