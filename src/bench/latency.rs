@@ -16,14 +16,15 @@
 //!   "as of the latest event", each sample after `Store::clear_cache` (a
 //!   freshly started sidecar's path: the view, the window, the events
 //!   after the view, with the store's cache empty; the database's and the
-//!   kernel's caches are warm); p50/p99 over the samples. Then the next turn: 21
-//!   prompts appended one at a time (each rewrites the view), timed.
+//!   kernel's caches are warm); p50/p99 over the samples. Then the next
+//!   turn: prompts appended one at a time (each rewrites the view), timed.
 //! - **fold**: per size, the session written once as a JSON-lines file
 //!   (`export`'s lines, what a JSONL-file store keeps), then, timed, the
 //!   naive fold: the file read and every line parsed (the store's own line
-//!   parser) and folded with `SessionState::apply`, then the same two answers. Beside it the
-//!   store's own fold of the whole log through `Store::history` pages (the
-//!   `--at-seq` path), which pays the database's reads on top.
+//!   parser) and folded with `SessionState::apply`, then the same two
+//!   answers. Beside it the store's own fold of the whole log through
+//!   `Store::history` pages (the `--at-seq` path), which pays the
+//!   database's reads on top.
 
 use std::io::{BufRead, Write};
 use std::path::Path;

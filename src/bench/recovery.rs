@@ -6,8 +6,7 @@
 //!   process, cold: nothing of the store cached, the bench's own
 //!   PostgreSQL server restarted, and in a full run where the bench may
 //!   (see [`Cold`]) the operating system's page cache dropped, as after a
-//!   host's restart;
-//!   then again with a new `Store` each time, warm.
+//!   host's restart; then again with a new `Store` each time, warm.
 //! - **rebuild**: `Store::rebuild` of every session of the database (the
 //!   built sessions), events of the log per second.
 
@@ -21,9 +20,9 @@ use super::BenchError;
 use crate::store::Store;
 
 /// What was emptied before the first open of the recover phase, so that a
-/// report says how cold "cold" was. Each is best effort: dropping the page
-/// cache needs root on Linux, and only a server the bench started itself
-/// is restarted (never one given with `--postgres-url`).
+/// report says how cold "cold" was. Dropping the page cache needs root on
+/// Linux (and a full run); only a server the bench started itself is
+/// restarted (never one given with `--postgres-url`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Cold {
     /// The operating system's page cache was dropped
