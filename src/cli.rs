@@ -1544,6 +1544,14 @@ pub struct Printable<W: Write> {
     held: bool,
 }
 
+impl<W: Write> std::fmt::Debug for Printable<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Printable")
+            .field("held", &self.held)
+            .finish_non_exhaustive()
+    }
+}
+
 impl<W: Write> Printable<W> {
     /// Writes through to `out`.
     pub fn new(out: W) -> Printable<W> {
@@ -1679,6 +1687,12 @@ pub struct PiSpool {
     file: std::fs::File,
 }
 
+impl std::fmt::Debug for PiSpool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PiSpool").field("file", &self.file).finish()
+    }
+}
+
 impl PiSpool {
     /// Copies `input` whole, line by line, checking that each line is
     /// UTF-8 text: a file that is not is refused before any of it is read
@@ -1771,6 +1785,16 @@ pub struct InputLines {
     limit: usize,
     buf: Vec<u8>,
     done: bool,
+}
+
+impl std::fmt::Debug for InputLines {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InputLines")
+            .field("number", &self.number)
+            .field("limit", &self.limit)
+            .field("done", &self.done)
+            .finish_non_exhaustive()
+    }
 }
 
 impl InputLines {

@@ -17,6 +17,10 @@
 //! `bench` feature), [`pgtemp`] (throw-away PostgreSQL servers for tests
 //! and the bench).
 
+// Every public type can be printed with `{:?}` (an embedder logs what it
+// holds; Rust API guidelines C-DEBUG). Clippy runs with -D warnings.
+#![warn(missing_debug_implementations)]
+
 pub mod audit;
 #[cfg(feature = "bench")]
 pub mod bench;

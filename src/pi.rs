@@ -146,6 +146,16 @@ pub struct PiTree {
     path: Vec<u32>,
 }
 
+impl std::fmt::Debug for PiTree {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PiTree")
+            .field("session_id", &self.session_id)
+            .field("header_line", &self.header_line)
+            .field("entries", &self.nodes.len())
+            .finish_non_exhaustive()
+    }
+}
+
 /// What [`links`] reads of an entry: its type, id and parent id.
 type Links = (String, String, Option<String>);
 
@@ -382,6 +392,15 @@ pub struct PiEvents<'t, I> {
     /// Its `events` are the converted events not yet given out.
     builder: Builder,
     done: bool,
+}
+
+impl<I> std::fmt::Debug for PiEvents<'_, I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PiEvents")
+            .field("session_id", &self.tree.session_id)
+            .field("pos", &self.pos)
+            .finish_non_exhaustive()
+    }
 }
 
 impl<E: From<PiError>, I: Iterator<Item = Result<(usize, String), E>>> PiEvents<'_, I> {

@@ -388,6 +388,15 @@ pub enum Raw {
     Postgres(PgPool),
 }
 
+impl std::fmt::Debug for Raw {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Raw::Sqlite(_) => "Raw::Sqlite",
+            Raw::Postgres(_) => "Raw::Postgres",
+        })
+    }
+}
+
 /// A fixed chain hash: the ceiling stores a value of the same size as the
 /// store's sha256 hex without computing it.
 const HASH: &str = "0000000000000000000000000000000000000000000000000000000000000000";
@@ -569,6 +578,18 @@ pub struct RawRow {
     payload: String,
 }
 
+impl std::fmt::Debug for RawRow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawRow")
+            .field("session", &self.session)
+            .field("seq", &self.seq)
+            .field("event_id", &self.event_id)
+            .field("kind", &self.kind)
+            .field("payload_bytes", &self.payload.len())
+            .finish()
+    }
+}
+
 impl RawRow {
     /// The rows of `events`, with seqs `first_seq..`, serialized as the
     /// store serializes them.
@@ -597,6 +618,14 @@ pub struct Grouped {
     pub raw: Raw,
     queue: std::sync::Mutex<Vec<Queued>>,
     slot: tokio::sync::Mutex<()>,
+}
+
+impl std::fmt::Debug for Grouped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Grouped")
+            .field("raw", &self.raw)
+            .finish_non_exhaustive()
+    }
 }
 
 /// One writer's rows waiting in [`Grouped`], and where to answer.

@@ -87,6 +87,12 @@ pub struct Metrics {
     paths_sync: Mutex<()>,
 }
 
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
 impl Metrics {
     /// A registry with every metric registered.
     pub fn new() -> Metrics {

@@ -307,6 +307,14 @@ pub struct Watch<'a> {
     waker: Waker,
 }
 
+impl std::fmt::Debug for Watch<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watch")
+            .field("store", &self.store)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Watch<'_> {
     /// Waits until `session_id` passes `seq` (its head is greater), for at
     /// most `timeout`; returns the head then, or `None` on timeout. The
