@@ -245,31 +245,34 @@ impl PgServer {
     /// Stops the server at once, as a crash would (`-m immediate`); its data
     /// dir stays, so [`PgServer::launch`] starts it again.
     pub fn stop(&self) {
-        let _ = pg_command(&self.bin, "pg_ctl")
-            .arg("-D")
-            .arg(self.dir.join("data"))
-            .args(["-m", "immediate", "-w", "stop"])
-            .output();
+        let _ = self.pg_ctl_stop("immediate");
     }
 
     /// Shuts the server down cleanly (`-m fast`: a final checkpoint, no
     /// crash recovery at the next start) and starts it again: its shared
     /// buffers start empty, as after a host's restart.
     pub fn restart(&self) -> Result<(), PgTempError> {
+        self.pg_ctl_stop("fast")?;
+        self.launch()
+    }
+
+    /// `pg_ctl stop` in `mode`, waiting for the server to be gone (at most
+    /// pg_ctl's 60 s).
+    fn pg_ctl_stop(&self, mode: &str) -> Result<(), PgTempError> {
         let out = pg_command(&self.bin, "pg_ctl")
             .arg("-D")
             .arg(self.dir.join("data"))
-            .args(["-m", "fast", "-w", "-t", "60", "stop"])
+            .args(["-m", mode, "-w", "stop"])
             .output()
             .map_err(|e| PgTempError(format!("cannot run pg_ctl stop: {e}")))?;
         if !out.status.success() {
             return Err(PgTempError(format!(
-                "pg_ctl stop failed: {} {}",
+                "pg_ctl stop -m {mode} failed: {} {}",
                 String::from_utf8_lossy(&out.stdout).trim(),
                 String::from_utf8_lossy(&out.stderr).trim()
             )));
         }
-        self.launch()
+        Ok(())
     }
 
     /// Stops the server and removes its directory now, rather than when the
