@@ -2964,6 +2964,7 @@ impl Store {
 /// cut only when the rows come as the statement orders them (the view,
 /// then the first event expected and each next seq), which every plan
 /// here does; out of order, every row is read, as before.
+#[derive(Clone)]
 pub(crate) struct WindowRead {
     max_window: i64,
     /// Whether the window's payloads count too (a caller that needs no

@@ -19,6 +19,7 @@ use chrono::{DateTime, Utc};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Connection, Postgres, Transaction};
 use tokio_stream::StreamExt as _;
+use tracing::debug;
 use uuid::Uuid;
 
 use super::{
@@ -229,6 +230,30 @@ async fn within<T>(
         })
 }
 
+/// Runs `read`, and once more when it failed on a connection that broke
+/// meanwhile ([`FAILURES`] moved: the server restarted or failed over).
+/// A read changes nothing, so the second try, on a connection the pool has
+/// pinged or opened since ([`suspect`]), answers what the first would
+/// have; without it the first request after a restart failed
+/// (docs/design.md, "Connection health"). Any other failure (a timeout, a
+/// refusal, a bad request), and the second try's, is answered as it is:
+/// with the server down, the second try waits for a connection at most
+/// one connection timeout.
+pub(crate) async fn again<T, F, Fut>(read: F) -> Result<T>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let before = failures();
+    match read().await {
+        Err(Error::Unavailable(why)) if failures() != before => {
+            debug!(%why, "a read met a broken PostgreSQL connection; reading again");
+            read().await
+        }
+        other => other,
+    }
+}
+
 fn decode(row: Row) -> Result<StoredEvent> {
     let (position, session_id, seq, event_id, payload, recorded_at) = row;
     Ok(StoredEvent {
@@ -256,8 +281,9 @@ const TRUSTED_IDLE: Duration = Duration::from_secs(1);
 /// second is trusted. sqlx still pings each connection when it is released,
 /// so one that failed during use is closed then. What this gives up: a
 /// server restart less than a second after a connection's last use fails
-/// the next statement on it, once, with a retryable error
-/// (docs/design.md, "Connection health").
+/// the next statement on it, once: a read's is tried again ([`again`]), an
+/// append's answers a retryable error (docs/design.md, "Connection
+/// health").
 ///
 /// No idle timeout and no lifetime, so sqlx runs no reaper task: in sqlx
 /// 0.8.6 that task can read a transiently underflowed idle count (a
@@ -331,6 +357,17 @@ fn noted(e: &sqlx::Error) {
 pub(crate) fn connection_lost() {
     let now = u64::try_from(since_epoch().as_millis()).unwrap_or(u64::MAX - 1) + 1;
     FAILED_AT.fetch_max(now, std::sync::atomic::Ordering::Relaxed);
+    FAILURES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// How many connection failures this process has [`noted`]: a read that
+/// fails while this moves failed on a connection that broke, and is worth
+/// trying once more on another (`Store::read_again`).
+static FAILURES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// [`FAILURES`] now.
+pub(crate) fn failures() -> u64 {
+    FAILURES.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// A row of a streamed read, its connection's failure [`noted`].
@@ -533,7 +570,8 @@ impl PgBackend {
         // until the server's idle-in-transaction timeout (a review's
         // finding, tests/faults.rs). Begun apart, the transaction is
         // sqlx's, and a failed lock rolls back with it.
-        let mut tx = trip(self.read_deadline, self.pool.begin()).await?;
+        // A `BEGIN` that fails has written nothing: tried again as a read.
+        let mut tx = again(|| trip(self.read_deadline, self.pool.begin())).await?;
         // Waiting for the lock behind another writer is healthy, and the
         // server bounds it (`lock_timeout`); the client's bound comes on
         // top of that, for a server that stops answering.
@@ -561,11 +599,13 @@ impl PgBackend {
     /// A read transaction: one snapshot (REPEATABLE READ) for the view,
     /// window and tail; it takes no lock.
     pub(crate) async fn begin_read(&self) -> Result<PgTx> {
-        let tx = trip(
-            self.read_deadline,
-            self.pool
-                .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"),
-        )
+        let tx = again(|| {
+            trip(
+                self.read_deadline,
+                self.pool
+                    .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"),
+            )
+        })
         .await?;
         let mut tx = PgTx::new(tx);
         tx.deadline = self.read_deadline;
@@ -573,18 +613,22 @@ impl PgBackend {
     }
 
     pub(crate) async fn head_seq(&self, session_id: Uuid) -> Result<i64> {
-        head_seq(&self.pool, self.read_deadline, session_id).await
+        again(|| head_seq(&self.pool, self.read_deadline, session_id)).await
     }
 
     /// The seq of one event of the session, if the log has it.
     pub(crate) async fn seq_of(&self, session_id: Uuid, event_id: Uuid) -> Result<Option<i64>> {
-        trip(
-            self.read_deadline,
-            sqlx::query_scalar("SELECT seq FROM events WHERE event_id = $1 AND session_id = $2")
+        again(|| {
+            trip(
+                self.read_deadline,
+                sqlx::query_scalar(
+                    "SELECT seq FROM events WHERE event_id = $1 AND session_id = $2",
+                )
                 .bind(event_id)
                 .bind(session_id)
                 .fetch_optional(&self.pool),
-        )
+            )
+        })
         .await
     }
 
@@ -601,19 +645,22 @@ impl PgBackend {
     ) -> Result<Vec<StoredEvent>> {
         let bounded = max_bytes != usize::MAX;
         let sql = session_page(bounded);
-        let mut query = sqlx::query_as::<_, Row>(&sql)
-            .bind(session_id)
-            .bind(after)
-            .bind(i64::MAX)
-            .bind(limit);
-        if bounded {
-            query = query.bind(byte_bound(max_bytes));
-        }
-        let mut rows = query.fetch(&self.pool).map(watched);
-        within(
-            self.read_deadline,
-            super::take_within(&mut rows, max_bytes, |r: &Row| r.4.len(), decode),
-        )
+        again(|| async {
+            let mut query = sqlx::query_as::<_, Row>(&sql)
+                .bind(session_id)
+                .bind(after)
+                .bind(i64::MAX)
+                .bind(limit);
+            if bounded {
+                query = query.bind(byte_bound(max_bytes));
+            }
+            let mut rows = query.fetch(&self.pool).map(watched);
+            within(
+                self.read_deadline,
+                super::take_within(&mut rows, max_bytes, |r: &Row| r.4.len(), decode),
+            )
+            .await
+        })
         .await
     }
 
@@ -623,6 +670,15 @@ impl PgBackend {
     /// than `max_window` is left out: only the (at most `after`) events
     /// after the view come. `None` when the session has no view.
     pub(crate) async fn view_and_window(
+        &self,
+        session_id: Uuid,
+        after: i64,
+        read: super::WindowRead,
+    ) -> Result<super::WindowRead> {
+        again(|| self.view_and_window_once(session_id, after, read.clone())).await
+    }
+
+    async fn view_and_window_once(
         &self,
         session_id: Uuid,
         after: i64,
@@ -703,16 +759,19 @@ impl PgBackend {
         max_bytes: usize,
     ) -> Result<Vec<StoredEvent>> {
         let sql = bounded_page(COLUMNS, "position > $1", "position", "$2", "$3");
-        let mut rows = sqlx::query_as::<_, Row>(&sql)
-            .bind(after)
-            .bind(limit)
-            .bind(byte_bound(max_bytes))
-            .fetch(&self.pool)
-            .map(watched);
-        within(
-            self.read_deadline,
-            super::take_within(&mut rows, max_bytes, |r: &Row| r.4.len(), decode),
-        )
+        again(|| async {
+            let mut rows = sqlx::query_as::<_, Row>(&sql)
+                .bind(after)
+                .bind(limit)
+                .bind(byte_bound(max_bytes))
+                .fetch(&self.pool)
+                .map(watched);
+            within(
+                self.read_deadline,
+                super::take_within(&mut rows, max_bytes, |r: &Row| r.4.len(), decode),
+            )
+            .await
+        })
         .await
     }
 
@@ -731,40 +790,52 @@ impl PgBackend {
     /// Runs an audit query that selects event rows (src/store/query.rs).
     pub(crate) async fn fetch_events(
         &self,
-        mut q: sqlx::QueryBuilder<'static, Postgres>,
+        query: impl Fn() -> sqlx::QueryBuilder<'static, Postgres>,
     ) -> Result<Vec<StoredEvent>> {
-        let rows: Vec<Row> =
-            trip(self.read_deadline, q.build_query_as().fetch_all(&self.pool)).await?;
+        let rows: Vec<Row> = again(|| async {
+            let mut q = query();
+            trip(self.read_deadline, q.build_query_as().fetch_all(&self.pool)).await
+        })
+        .await?;
         rows.into_iter().map(decode).collect()
     }
 
     /// Runs an audit query that selects `activation_changes` rows.
     pub(crate) async fn fetch_changes(
         &self,
-        mut q: sqlx::QueryBuilder<'static, Postgres>,
+        query: impl Fn() -> sqlx::QueryBuilder<'static, Postgres>,
     ) -> Result<Vec<ChangeRow>> {
-        let rows: Vec<PgChange> =
-            trip(self.read_deadline, q.build_query_as().fetch_all(&self.pool)).await?;
+        let rows: Vec<PgChange> = again(|| async {
+            let mut q = query();
+            trip(self.read_deadline, q.build_query_as().fetch_all(&self.pool)).await
+        })
+        .await?;
         Ok(rows.into_iter().map(decode_change).collect())
     }
 
     /// The `EXPLAIN` lines of a query.
     pub(crate) async fn fetch_plan(
         &self,
-        mut q: sqlx::QueryBuilder<'static, Postgres>,
+        query: impl Fn() -> sqlx::QueryBuilder<'static, Postgres>,
     ) -> Result<Vec<String>> {
-        let rows: Vec<(String,)> =
-            trip(self.read_deadline, q.build_query_as().fetch_all(&self.pool)).await?;
+        let rows: Vec<(String,)> = again(|| async {
+            let mut q = query();
+            trip(self.read_deadline, q.build_query_as().fetch_all(&self.pool)).await
+        })
+        .await?;
         Ok(rows.into_iter().map(|r| r.0).collect())
     }
 
     /// Runs an audit query that selects session ids.
     pub(crate) async fn fetch_sessions(
         &self,
-        mut q: sqlx::QueryBuilder<'static, Postgres>,
+        query: impl Fn() -> sqlx::QueryBuilder<'static, Postgres>,
     ) -> Result<Vec<Uuid>> {
-        let rows: Vec<(Uuid,)> =
-            trip(self.read_deadline, q.build_query_as().fetch_all(&self.pool)).await?;
+        let rows: Vec<(Uuid,)> = again(|| async {
+            let mut q = query();
+            trip(self.read_deadline, q.build_query_as().fetch_all(&self.pool)).await
+        })
+        .await?;
         Ok(rows.into_iter().map(|(s,)| s).collect())
     }
 

@@ -499,22 +499,17 @@ where
 }
 
 impl Store {
-    async fn fetch_events(&self, sql: Sql) -> Result<Vec<StoredEvent>> {
-        match (&self.backend, sql) {
-            (Backend::Sqlite(b), Sql::Sqlite(q)) => b.fetch_events(q).await,
-            (Backend::Postgres(b), Sql::Postgres(q)) => b.fetch_events(q).await,
-            _ => Err(Error::Database("query built for the other backend".into())),
-        }
-    }
-
-    fn sql(
+    /// Runs an audit query that selects event rows, built by the closure
+    /// of the store's backend (each is called once, PostgreSQL's twice when
+    /// the first try met a broken connection).
+    async fn fetch_events(
         &self,
         sqlite: impl FnOnce() -> QueryBuilder<'static, Sqlite>,
-        postgres: impl FnOnce() -> QueryBuilder<'static, Postgres>,
-    ) -> Sql {
+        postgres: impl Fn() -> QueryBuilder<'static, Postgres>,
+    ) -> Result<Vec<StoredEvent>> {
         match &self.backend {
-            Backend::Sqlite(_) => Sql::Sqlite(sqlite()),
-            Backend::Postgres(_) => Sql::Postgres(postgres()),
+            Backend::Sqlite(b) => b.fetch_events(sqlite()).await,
+            Backend::Postgres(b) => b.fetch_events(postgres).await,
         }
     }
 
@@ -556,7 +551,7 @@ impl Store {
             }
         }
         let (events, more) = page_of(
-            self.fetch_events(self.sql(|| events_sql("", q), || events_sql("", q)))
+            self.fetch_events(|| events_sql("", q), || events_sql("", q))
                 .await?,
             q.scope.limit,
         );
@@ -608,7 +603,10 @@ impl Store {
         };
         let changes = match &self.backend {
             Backend::Sqlite(b) => b.fetch_changes(changes_sql("", q, after.clone())).await?,
-            Backend::Postgres(b) => b.fetch_changes(changes_sql("", q, after.clone())).await?,
+            Backend::Postgres(b) => {
+                b.fetch_changes(|| changes_sql("", q, after.clone()))
+                    .await?
+            }
         };
         let (changes, more) = page_of(changes, q.scope.limit);
         let next = more
@@ -642,10 +640,10 @@ impl Store {
     async fn unanswered(&self, q: &AnomalyQuery) -> Result<AnomalyPage> {
         let after = position_cursor(q.after.as_deref())?;
         let calls = self
-            .fetch_events(self.sql(
+            .fetch_events(
                 || unanswered_sql("", &q.scope, after),
                 || unanswered_sql("", &q.scope, after),
-            ))
+            )
             .await?;
         let (calls, more) = page_of(calls, q.scope.limit);
         let next = more
@@ -681,10 +679,10 @@ impl Store {
         let mut catalogs: HashMap<Uuid, HashSet<String>> = HashMap::new();
         let mut anomalies = Vec::new();
         let (results, more) = page_of(
-            self.fetch_events(self.sql(
+            self.fetch_events(
                 || named_results_sql("", &q.scope, after),
                 || named_results_sql("", &q.scope, after),
-            ))
+            )
             .await?,
             NAME_SCAN,
         );
@@ -694,7 +692,7 @@ impl Store {
         sessions.dedup();
         for chunk in sessions.chunks(500) {
             let defs = self
-                .fetch_events(self.sql(|| catalogs_sql("", chunk), || catalogs_sql("", chunk)))
+                .fetch_events(|| catalogs_sql("", chunk), || catalogs_sql("", chunk))
                 .await?;
             for d in defs {
                 if let EventBody::CatalogDefined { deferred_tools, .. } = d.body {
@@ -782,7 +780,10 @@ impl Store {
         };
         let sessions = match &self.backend {
             Backend::Sqlite(b) => b.fetch_sessions(sessions_sql("", &q.scope, after)).await?,
-            Backend::Postgres(b) => b.fetch_sessions(sessions_sql("", &q.scope, after)).await?,
+            Backend::Postgres(b) => {
+                b.fetch_sessions(|| sessions_sql("", &q.scope, after))
+                    .await?
+            }
         };
         let (sessions, more) = page_of(sessions, q.scope.limit);
         let mut anomalies = Vec::new();
@@ -872,18 +873,12 @@ impl Store {
         let lines = match &self.backend {
             Backend::Sqlite(b) => b.fetch_plan(build("EXPLAIN QUERY PLAN ", &of)).await?,
             Backend::Postgres(b) => {
-                b.fetch_plan(build("EXPLAIN (ANALYZE, BUFFERS) ", &of))
+                b.fetch_plan(|| build("EXPLAIN (ANALYZE, BUFFERS) ", &of))
                     .await?
             }
         };
         Ok(lines.join("\n"))
     }
-}
-
-/// A query built for one backend.
-enum Sql {
-    Sqlite(QueryBuilder<'static, Sqlite>),
-    Postgres(QueryBuilder<'static, Postgres>),
 }
 
 #[cfg(test)]
