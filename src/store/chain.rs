@@ -206,7 +206,7 @@ impl Store {
     /// (an edited payload, type, time or id, a deleted, inserted or
     /// reordered row, a missing hash), and the head of each intact one.
     /// Reads in pages: memory does not grow with the log. A session that
-    /// does not exist is [`Error::SessionNotFound`], as for `verify`, not
+    /// does not exist is [`crate::Error::SessionNotFound`], as for `verify`, not
     /// a chain of no events reported intact.
     pub async fn verify_integrity(&self, session: Option<Uuid>) -> Result<IntegrityReport> {
         if let Some(id) = session {

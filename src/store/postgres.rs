@@ -362,7 +362,7 @@ pub(crate) fn connection_lost() {
 
 /// How many connection failures this process has [`noted`]: a read that
 /// fails while this moves failed on a connection that broke, and is worth
-/// trying once more on another (`Store::read_again`).
+/// trying once more on another ([`again`]).
 static FAILURES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// [`FAILURES`] now.

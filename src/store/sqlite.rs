@@ -650,9 +650,9 @@ impl SqliteBackend {
     }
 
     /// The writer, for an optimistic group (docs/design.md, "Optimistic
-    /// appends"): nothing is sent until [`SqliteTx::commit_optimistic`]
+    /// appends"): nothing is sent until [`OptimisticTx::commit_optimistic`](super::group::OptimisticTx::commit_optimistic)
     /// (or rows sent ahead, [`LogTx::send_ahead`]),
-    /// and reads are answered from what [`SqliteTx::assume`] was given.
+    /// and reads are answered from what [`OptimisticTx::assume`](super::group::OptimisticTx::assume) was given.
     /// `None` when this writer does not know where the log ended at its
     /// last commit (then the group is judged under the lock).
     pub(crate) async fn begin_optimistic(&self) -> Result<Option<SqliteTx>> {
