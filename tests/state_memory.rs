@@ -285,6 +285,92 @@ fn reading_the_activation_set_of_a_long_cached_window_copies_no_rows() {
     });
 }
 
+/// The context of a never-compacted session (its window the whole log)
+/// read by a store that caches nothing yet, on each side of the window
+/// length from which a context comes in pages
+/// ([`session_store::store::ROWLESS_WINDOW`]), with the default first page
+/// and with one of 64 KiB (cut by bytes): whole or paged, its rows are the
+/// log's fold, as of the latest seq and as of an earlier one (a test the
+/// last review asked for; an off-by-one in where the pages resume makes it
+/// fail).
+#[test]
+fn a_context_at_the_paged_windows_boundary_is_the_logs_fold() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    runtime().block_on(async {
+        let db = common::sqlite_db();
+        let writer = Store::open(&db.url).await.unwrap();
+        let limit = session_store::store::ROWLESS_WINDOW as usize;
+        // Windows of `limit - 1`, `limit` and `limit + 1` rows (the
+        // session's first event is no row), and one whose first page is
+        // cut by bytes rather than by count.
+        let mut sessions = Vec::new();
+        for (seed, rows) in [(1, limit - 1), (2, limit), (3, limit + 1), (4, 1_200)] {
+            sessions.push((rows, append_all(&writer, never_compacted(seed, rows)).await));
+        }
+        writer.close().await;
+        let default_bytes = StoreOptions::default().window_read_bytes;
+        let small_pages = StoreOptions {
+            window_read_bytes: 64 << 10,
+            ..StoreOptions::default()
+        };
+        let mut seen = std::collections::BTreeSet::new();
+        for (rows, session) in sessions {
+            // A store of its own for each answer: nothing cached.
+            let expected = {
+                let store = Store::open(&db.url).await.unwrap();
+                let whole = folded(&store, session).await;
+                store.close().await;
+                whole
+            };
+            assert_eq!(expected.rows.len(), rows);
+            let reads = [
+                (None, StoreOptions::default()),
+                (Some(expected.seq - 1), StoreOptions::default()),
+                (None, small_pages.clone()),
+                (Some(expected.seq - 1), small_pages.clone()),
+            ];
+            for (at, options) in reads {
+                let bytes = options.window_read_bytes;
+                let store = Store::open_with(&db.url, options).await.unwrap();
+                let (head, pages) = store.context_paged(session, at).await.unwrap();
+                let paged = pages.is_some();
+                let mut got = head.rows.clone();
+                if let Some(mut pages) = pages {
+                    assert!(head.rows.is_empty(), "a paged context comes without rows");
+                    while let Some(page) = pages.next_page(&store).await.unwrap() {
+                        got.extend(page);
+                    }
+                }
+                let whole = store.context(session, at).await.unwrap();
+                let mut want = match at {
+                    None => expected.context(),
+                    Some(n) => {
+                        let log = store.history(session, 0, n).await.unwrap();
+                        SessionState::fold(session, &log).context()
+                    }
+                };
+                assert_eq!(whole, want, "context of {rows} rows at {at:?}");
+                want.rows = Vec::new();
+                let mut head = head;
+                head.rows = Vec::new();
+                assert_eq!(head, want, "the paged answer's head, {rows} rows at {at:?}");
+                assert_eq!(
+                    got, whole.rows,
+                    "the paged rows of {rows} (paged: {paged}) at {at:?}"
+                );
+                seen.insert((rows, at.is_some(), bytes, paged));
+                store.close().await;
+            }
+        }
+        // Both ways were taken: paged by count (a window past the limit,
+        // as of a seq), paged by bytes (the small first page), and whole.
+        let paged = |rows, bytes| seen.contains(&(rows, true, bytes, true));
+        assert!(paged(limit + 1, default_bytes), "{seen:?}");
+        assert!(!paged(limit - 1, default_bytes), "{seen:?}");
+        assert!(paged(1_200, 64 << 10), "{seen:?}");
+    });
+}
+
 /// A tool output of long JSON numbers (kept as their text) is weighed by
 /// its digits: it was weighed at 32 bytes a number, and a budget of 8 MiB
 /// held 1.5 GB of them.
