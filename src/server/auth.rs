@@ -74,8 +74,7 @@ impl Principal {
     }
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+/// A token document, its entries read one by one (`Tokens::parse`).
 struct TokenFile {
     tokens: Vec<TokenEntry>,
 }
@@ -109,16 +108,62 @@ fn digest(token: &[u8]) -> [u8; 32] {
     Sha256::digest(token).into()
 }
 
+/// What is wrong with the `i`-th entry of a token document, said without
+/// its content: a scope name is quoted only when it is too short to be a
+/// token.
+fn misshapen(source: &str, i: usize, entry: &serde_json::Value) -> String {
+    let at = format!("{source}, token {}", i + 1);
+    let unknown_scope = entry
+        .get("scopes")
+        .and_then(serde_json::Value::as_array)
+        .and_then(|scopes| {
+            scopes.iter().find_map(|s| {
+                s.as_str()
+                    .filter(|n| !["read", "write", "audit"].contains(n))
+            })
+        });
+    match unknown_scope {
+        Some(name) if name.len() < MIN_TOKEN_LEN => {
+            format!("{at}: {name:?} is not a scope (read, write, audit)")
+        }
+        Some(_) => format!("{at}: a scope is not one of read, write, audit"),
+        None => format!(
+            "{at} is not an object with exactly the fields \"token\" and \"tenant\" (strings) and \"scopes\" (a list of read, write, audit)"
+        ),
+    }
+}
+
 impl Tokens {
     /// Parses a token document:
     /// `{"tokens": [{"token": "…", "tenant": "…", "scopes": ["read"]}]}`.
     /// `source` names where it came from, for the error sentence.
     pub fn parse(text: &str, source: &str) -> Result<Tokens, String> {
-        let file: TokenFile = serde_json::from_str(text).map_err(|e| {
-            format!(
-                "{source} is not a token document ({{\"tokens\": [{{\"token\", \"tenant\", \"scopes\"}}]}}): {e}"
-            )
-        })?;
+        // serde's messages quote what they refuse (a value of the wrong
+        // type, an unknown field's name), and in a token document that may
+        // be a token: given where an object belongs, or as a key. So the
+        // text is read as JSON first, whose syntax errors quote nothing,
+        // and what has the wrong shape is said by its place alone.
+        const SHAPE: &str =
+            r#"{"tokens": [{"token": "…", "tenant": "…", "scopes": ["read", "write", "audit"]}]}"#;
+        let value: serde_json::Value = serde_json::from_str(text)
+            .map_err(|e| format!("{source} is not a token document ({SHAPE}): {e}"))?;
+        let tokens = value
+            .as_object()
+            .filter(|o| o.len() == 1)
+            .and_then(|o| o.get("tokens"))
+            .and_then(serde_json::Value::as_array)
+            .ok_or_else(|| {
+                format!(
+                    "{source} is not a token document ({SHAPE}): it must be an object whose one field, \"tokens\", is a list"
+                )
+            })?;
+        let file = TokenFile {
+            tokens: tokens
+                .iter()
+                .enumerate()
+                .map(|(i, t)| TokenEntry::deserialize(t).map_err(|_| misshapen(source, i, t)))
+                .collect::<Result<_, _>>()?,
+        };
         if file.tokens.is_empty() {
             return Err(format!("{source} lists no tokens"));
         }
@@ -300,9 +345,43 @@ mod tests {
                 "visible ASCII",
             ),
             ("not json", "not a token document"),
+            (r#"["a"]"#, "one field"),
+            (r#"{"tokens": ["x"], "more": 1}"#, "one field"),
+            (
+                r#"{"tokens": [{"token": "t", "tenant": "a"}]}"#,
+                "token 1 is not an object",
+            ),
+            (
+                r#"{"tokens": [{"token": "0123456789abcdef", "tenant": "a", "scopes": ["read"], "x": 1}]}"#,
+                "token 1 is not an object",
+            ),
         ] {
             let err = Tokens::parse(doc, "tokens.json").unwrap_err();
             assert!(err.contains(needle), "{err}");
+            assert!(err.starts_with("tokens.json"), "{err}");
+        }
+    }
+
+    /// A token given where the document's shape wants something else (an
+    /// entry, a key, a scope) is never quoted back: the error goes to the
+    /// terminal and the logs.
+    #[test]
+    fn errors_never_quote_a_token() {
+        let secret = "my-secret-token-0123456789";
+        for doc in [
+            format!(r#"{{"tokens": ["{secret}"]}}"#),
+            format!(r#"{{"tokens": [{{"{secret}": 1, "tenant": "a", "scopes": ["read"]}}]}}"#),
+            format!(
+                r#"{{"tokens": [{{"token": "{secret}", "tenant": "a", "scopes": ["{secret}"]}}]}}"#
+            ),
+            format!(
+                r#"{{"tokens": [{{"token": ["{secret}"], "tenant": "a", "scopes": ["read"]}}]}}"#
+            ),
+            format!(r#"{{"{secret}": []}}"#),
+            format!(r#"{{"tokens": [{{"token": "{secret}", "tenant": "a", "scopes": ["read"]}}]"#),
+        ] {
+            let err = Tokens::parse(&doc, "tokens.json").unwrap_err();
+            assert!(!err.contains(secret), "{err}");
             assert!(err.starts_with("tokens.json"), "{err}");
         }
     }

@@ -309,35 +309,54 @@ fn check_parent(path: &str) -> Result<()> {
 ///   tables but the store's (all of them, or the first ones while another
 ///   process migrates it). Reading it lets SQLite roll back a transaction
 ///   a killed process left in its `-journal` file, as any opening would.
-async fn check_file(url: &str, create: bool) -> Result<()> {
+///
+/// Answers the path of a file it found missing and that opening will
+/// create (`None` when the file exists, or its path is SQLite's to find).
+async fn check_file(url: &str, create: bool) -> Result<Option<String>> {
     // The file the driver will open: its URL parser percent-decodes the
     // path and reads `?mode=…` options.
     let (_, query) = path_of(url).split_once('?').unwrap_or(("", ""));
     let target = connect_options(url)?;
-    let file = target.get_filename();
-    let name = file.to_string_lossy();
-    if name.starts_with("file:") {
-        // A SQLite URI the driver hands on as it is (one in memory is
-        // refused above, or by `check_durable` once opened).
-        return Ok(());
+    let name = target.get_filename().to_string_lossy().into_owned();
+    let path = match name.strip_prefix("file:") {
+        // A SQLite URI, which the driver hands on for SQLite to decode: the
+        // file it names is checked as any other (it was not, and a `file:`
+        // name of another application's database was migrated).
+        Some(_) => match uri_file(&name).ok_or_else(|| Error::BadUrl(url.to_owned()))? {
+            Some(path) => path,
+            // No file (in memory, or a temporary database): refused by
+            // `check_durable` once opened.
+            None => return Ok(None),
+        },
+        None => name,
+    };
+    if path.contains('\0') {
+        return Err(Error::BadUrl(url.to_owned()));
     }
-    let path = name.as_ref();
+    let path = path.as_str();
     let meta = match std::fs::metadata(path) {
         Ok(meta) => meta,
         Err(e) if is_missing(&e) => {
             return match create {
-                true => check_parent(path),
+                true => check_parent(path).map(|()| Some(path.to_owned())),
                 false => Err(Error::NotAStore(format!(
                     "there is no session store at {path}: the file does not exist (import, append, migrate, serve and tail --follow create one)"
                 ))),
             };
         }
         // Left to the connection, whose error names the cause.
-        Err(_) => return Ok(()),
+        Err(_) => return Ok(None),
     };
     if meta.is_dir() {
         return Err(Error::NotAStore(format!(
             "{path} is a directory, not a session store file"
+        )));
+    }
+    if !meta.is_file() {
+        // SQLite would write its -journal beside a device (`/dev/null`
+        // made `/dev/null-journal`) and then fail with an I/O error.
+        return Err(Error::NotAStore(format!(
+            "{path} is not a regular file (a device, a pipe or a socket), so not a session store file"
         )));
     }
     // A command that only reads does not make a store of an empty file
@@ -351,7 +370,7 @@ async fn check_file(url: &str, create: bool) -> Result<()> {
     };
     if meta.len() == 0 {
         return match create {
-            true => Ok(()),
+            true => Ok(None),
             false => Err(empty("the file is empty")),
         };
     }
@@ -363,7 +382,7 @@ async fn check_file(url: &str, create: bool) -> Result<()> {
     // "attempt to write a readonly database".
     let read_only = query.split('&').any(|o| o == "mode=ro");
     let options = SqliteConnectOptions::new()
-        .filename(file)
+        .filename(path)
         .create_if_missing(false)
         .read_only(read_only)
         .busy_timeout(Duration::from_secs(10));
@@ -413,7 +432,7 @@ async fn check_file(url: &str, create: bool) -> Result<()> {
         .filter(|t| !STORE_TABLES.contains(t) && !t.starts_with("sqlite_"))
         .collect();
     if foreign.is_empty() {
-        return Ok(());
+        return Ok(None);
     }
     let mut listed: Vec<&str> = foreign.iter().take(5).copied().collect();
     if foreign.len() > 5 {
@@ -427,6 +446,45 @@ async fn check_file(url: &str, create: bool) -> Result<()> {
         "{path} is a SQLite database of something else (tables: {}), not a session store; {left}",
         listed.join(", ")
     )))
+}
+
+/// The file a SQLite `file:` URI names (SQLite's rules: an authority
+/// that is empty or `localhost`, the path percent-decoded, up to its `?`
+/// or `#`): `Some(None)` for one that names no file (`file::memory:`, an
+/// empty name), `None` for one SQLite would refuse (another host, a bad
+/// escape, a name that is not UTF-8 once decoded).
+fn uri_file(uri: &str) -> Option<Option<String>> {
+    let rest = uri.strip_prefix("file:")?;
+    let rest = rest.split(['?', '#']).next().unwrap_or("");
+    let path = match rest.strip_prefix("//") {
+        Some(authority_and_path) => {
+            let (authority, path) = authority_and_path
+                .split_once('/')
+                .map_or((authority_and_path, ""), |(a, p)| (a, p));
+            if !(authority.is_empty() || authority == "localhost") {
+                return None;
+            }
+            format!("/{path}")
+        }
+        None => rest.to_owned(),
+    };
+    if path.is_empty() || path == ":memory:" {
+        return Some(None);
+    }
+    let mut bytes = Vec::with_capacity(path.len());
+    let mut raw = path.bytes();
+    while let Some(b) = raw.next() {
+        match b {
+            b'%' => {
+                let hex = [raw.next()?, raw.next()?];
+                let hex = std::str::from_utf8(&hex).ok()?;
+                bytes.push(u8::from_str_radix(hex, 16).ok()?);
+            }
+            b => bytes.push(b),
+        }
+    }
+    let path = String::from_utf8(bytes).ok()?;
+    Some((path != ":memory:").then_some(path))
 }
 
 /// Whether `journal` holds a transaction to roll back: a rollback journal
@@ -565,7 +623,7 @@ impl SqliteBackend {
         if path.is_empty() {
             return Err(Error::BadUrl(url.to_owned()));
         }
-        check_file(url, options.create_if_missing).await?;
+        let creates = check_file(url, options.create_if_missing).await?;
         let connect = connect_options(url)?;
         let timeout = Duration::from_secs(
             options
@@ -574,7 +632,17 @@ impl SqliteBackend {
                 + 10,
         );
         let mut writer = open_busy(path, || SqliteConnection::connect_with(&connect)).await?;
-        check_durable(&mut writer, url).await?;
+        if let Err(refused) = check_durable(&mut writer, url).await {
+            // A file this open made for a database it then refused (a VFS
+            // without WAL, say) is not left behind, while still empty.
+            let _ = writer.close().await;
+            if let Some(made) = creates {
+                if std::fs::metadata(&made).is_ok_and(|m| m.len() == 0) {
+                    let _ = std::fs::remove_file(&made);
+                }
+            }
+            return Err(refused);
+        }
         // The file exists now. Every later connection (the pool's, a
         // reopened writer) opens it or fails: one that made a new empty
         // file after the store's was removed would take writes no one
@@ -2432,6 +2500,85 @@ mod tests {
             matches!(&refused, Err(Error::NotAStore(m)) if m.contains("users")),
             "{refused:?}"
         );
+        // So does SQLite for a `file:` URI, which the driver hands on as it
+        // is: the same file, refused the same way, and left unchanged.
+        let before = std::fs::read(&spaced).unwrap();
+        let d = dir.path().display();
+        // (`file://…` alone is a URL of a scheme the store does not know,
+        // refused before any file is looked at; after `sqlite://` it is
+        // SQLite's.)
+        for uri in [
+            format!("file:{d}/my%20app.db"),
+            format!("sqlite://file:{d}/my%20app.db"),
+            format!("sqlite://file://{d}/my%20app.db"),
+            format!("sqlite://file://localhost{d}/my%20app.db?cache=private"),
+        ] {
+            let refused = crate::Store::open(&uri).await.map(|_| ());
+            assert!(
+                matches!(&refused, Err(Error::NotAStore(m)) if m.contains("users")),
+                "{uri}: {refused:?}"
+            );
+        }
+        assert_eq!(std::fs::read(&spaced).unwrap(), before);
+        // A `file:` URI of a missing file: created only by a command that
+        // writes, as a path's.
+        let missing = format!("file:{d}/new.db");
+        let said = check_file(&missing, false).await;
+        assert!(matches!(said, Err(Error::NotAStore(_))), "{said:?}");
+        assert!(!dir.path().join("new.db").exists());
+        // A URI of another host, or with a bad escape, is not one to open.
+        for bad in [
+            format!("file://example.com{d}/s.db"),
+            format!("file:{d}/s%zz.db"),
+        ] {
+            let said = check_file(&bad, true).await;
+            assert!(matches!(said, Err(Error::BadUrl(_))), "{bad}: {said:?}");
+        }
+        // A NUL that only the decoding reveals is a bad URL too.
+        for nul in [format!("{d}/a%00b.db"), format!("file:{d}/a%00b.db")] {
+            let said = check_file(&nul, true).await;
+            assert!(matches!(said, Err(Error::BadUrl(_))), "{nul}: {said:?}");
+        }
+        // A device is no store file, and nothing is written beside it.
+        let journal = std::path::Path::new("/dev/null-journal");
+        let had_journal = journal.exists();
+        for create in [false, true] {
+            let said = check_file("/dev/null", create).await;
+            assert!(
+                matches!(&said, Err(Error::NotAStore(m)) if m.contains("not a regular file")),
+                "{said:?}"
+            );
+        }
+        assert_eq!(journal.exists(), had_journal);
+    }
+
+    /// A database SQLite opens but the store refuses (here a VFS without
+    /// the shared memory WAL needs) leaves no empty file behind.
+    #[tokio::test]
+    async fn a_file_made_for_a_refused_database_is_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}/nolock.db?vfs=unix-none", dir.path().display());
+        let refused = crate::Store::open(&url).await.map(|_| ());
+        assert!(matches!(&refused, Err(Error::BadUrl(_))), "{refused:?}");
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert!(left.is_empty(), "{left:?}");
+    }
+
+    #[test]
+    fn a_file_uri_names_its_file_as_sqlite_reads_it() {
+        assert_eq!(uri_file("file:/a/b.db"), Some(Some("/a/b.db".into())));
+        assert_eq!(uri_file("file:b.db?mode=ro"), Some(Some("b.db".into())));
+        assert_eq!(uri_file("file:///a/b.db"), Some(Some("/a/b.db".into())));
+        assert_eq!(
+            uri_file("file://localhost/a/my%20b.db#x"),
+            Some(Some("/a/my b.db".into()))
+        );
+        assert_eq!(uri_file("file:"), Some(None));
+        assert_eq!(uri_file("file::memory:?cache=shared"), Some(None));
+        assert_eq!(uri_file("file:%3Amemory%3A"), Some(None));
+        assert_eq!(uri_file("file://host/a.db"), None);
+        assert_eq!(uri_file("file:a%2.db"), None);
+        assert_eq!(uri_file("file:a%ff.db"), None);
     }
 
     /// `check_file` knows every table a store has: a migration that adds
