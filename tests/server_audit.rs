@@ -120,6 +120,19 @@ both_backends!(explain_and_refreshes_over_http, |url: String| async move {
             "/v1/audit/events?since=yesterday".to_owned(),
             "the query parameter `since` is not valid",
         ),
+        // Times the CLI's --since refuses too (serde's DateTime took them).
+        (
+            "/v1/audit/events?since=%2B10000-01-01T00:00:00Z".to_owned(),
+            "the query parameter `since` is not valid: \"+10000-01-01T00:00:00Z\" is not an RFC 3339 time",
+        ),
+        (
+            "/v1/audit/changes?until=-0001-01-01T00:00:00Z".to_owned(),
+            "the query parameter `until` is not valid",
+        ),
+        (
+            "/v1/audit/events?since=1-01-01T00:00:00Z".to_owned(),
+            "the query parameter `since` is not valid",
+        ),
         (
             "/v1/audit/events?color=red".to_owned(),
             "unknown query parameter `color`: this request takes `",

@@ -275,8 +275,10 @@ pub struct AuditParams {
     /// Only this session.
     session: Option<String>,
     /// Only rows recorded at or after this time (RFC 3339).
+    #[serde(default, deserialize_with = "rfc3339")]
     since: Option<DateTime<Utc>>,
     /// Only rows recorded before this time (RFC 3339).
+    #[serde(default, deserialize_with = "rfc3339")]
     until: Option<DateTime<Utc>>,
     /// Only events at this position or later (`/v1/audit/events`).
     from_position: Option<i64>,
@@ -286,6 +288,16 @@ pub struct AuditParams {
     after: Option<String>,
     /// Rows per page, 1 to 1000 (100 without it).
     limit: Option<i64>,
+}
+
+/// A time as the CLI's `--since` takes it: RFC 3339 exactly (a four-digit
+/// year). serde's reading of a `DateTime` also took `+10000-01-01…`,
+/// `-0001-…` and `1-01-01…`, which the CLI refuses.
+fn rfc3339<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<DateTime<Utc>>, D::Error> {
+    let text = String::deserialize(d)?;
+    DateTime::parse_from_rfc3339(&text)
+        .map(|t| Some(t.with_timezone(&Utc)))
+        .map_err(|e| serde::de::Error::custom(format!("{text:?} is not an RFC 3339 time: {e}")))
 }
 
 impl AuditParams {
