@@ -908,8 +908,8 @@ fn payload<T: for<'de> Deserialize<'de>>(
     // serde_path_to_error names the field (e.g. `deferred_tools[2]`) that a
     // bare serde error would leave out.
     serde_path_to_error::deserialize(Value::Object(map)).map_err(|e| {
-        let path = e.path().to_string();
-        let msg = in_json_terms(&path, e.inner().to_string());
+        let path = cut_long(&e.path().to_string());
+        let msg = cut_long_quotes(&in_json_terms(&path, e.inner().to_string()));
         let (rule, field) = if msg.starts_with("unknown field") {
             (Rule::UnknownField, msg.split('`').nth(1).map(str::to_owned))
         } else if msg.starts_with("missing field") {
@@ -925,6 +925,40 @@ fn payload<T: for<'de> Deserialize<'de>>(
         };
         ValidationError::new(rule, None, text).with_field_name(field)
     })
+}
+
+/// What serde quotes (between backticks: a field's name; between double
+/// quotes: a string value) cut past [`SHOWN`] characters, with its length
+/// said: an unknown key or a `status` of 500 KB made an error of 1 MB,
+/// the key in it twice.
+fn cut_long_quotes(msg: &str) -> String {
+    let mut out = msg.to_owned();
+    for mark in ['`', '"'] {
+        out = out
+            .split(mark)
+            .enumerate()
+            .map(|(i, part)| match i % 2 {
+                1 => cut_long(part),
+                _ => part.to_owned(),
+            })
+            .collect::<Vec<_>>()
+            .join(&mark.to_string());
+    }
+    out
+}
+
+/// How much of a quoted name or value an error shows.
+const SHOWN: usize = 120;
+
+/// `s` cut after [`SHOWN`] characters, with its length said.
+fn cut_long(s: &str) -> String {
+    match s.chars().nth(SHOWN) {
+        None => s.to_owned(),
+        Some(_) => {
+            let head: String = s.chars().take(SHOWN).collect();
+            format!("{head}… ({} bytes)", s.len())
+        }
+    }
 }
 
 /// serde's words for a mistyped field said in JSON's (an array, an
@@ -1186,6 +1220,28 @@ mod tests {
             )),
             (Rule::MistypedField, Some("metadata".into()))
         );
+    }
+
+    /// A long unknown key or bad value is quoted cut, with its length: a
+    /// key of 500 KB made an error of 1 MB.
+    #[test]
+    fn a_long_name_or_value_is_quoted_cut() {
+        let key = "k".repeat(500_000);
+        let value = "s".repeat(500_000);
+        for rest in [
+            format!(r#""type":"prompt_submitted","text":"x","{key}":1"#),
+            format!(r#""type":"tool_result","call_id":"c","tool_name":"t","status":"{value}""#),
+        ] {
+            let e = parse(&line(&rest)).expect_err("should be rejected");
+            let said = e.to_string();
+            assert!(said.len() < 1_000, "{} bytes: {}", said.len(), &said[..300]);
+            assert!(said.contains("… (500000 bytes)"), "{said}");
+            assert!(
+                e.field.as_ref().is_some_and(|f| f.len() < 200),
+                "{:?}",
+                e.field.map(|f| f.len())
+            );
+        }
     }
 
     #[test]
