@@ -1661,6 +1661,14 @@ fn io(e: std::io::Error) -> CliError {
 fn open_input(file: Option<&PathBuf>) -> Result<Box<dyn BufRead + Send>, CliError> {
     Ok(match file {
         // `-` is standard input, as for most tools that read files.
+        // A directory opens, and fails at its first read ("cannot read
+        // line 1 of the input: Is a directory", without its name).
+        Some(path) if path.is_dir() => {
+            return Err(CliError::Io(format!(
+                "cannot read {}: it is a directory, not a file of events",
+                path.display()
+            )))
+        }
         Some(path) if path.as_os_str() != "-" => Box::new(std::io::BufReader::new(
             std::fs::File::open(path)
                 .map_err(|e| CliError::Io(format!("cannot read {}: {e}", path.display())))?,

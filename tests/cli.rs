@@ -1178,6 +1178,18 @@ fn a_path_that_holds_no_session_store_is_refused_and_left_alone() {
             "{args:?} made a store"
         );
     }
+    // A directory given as the input is said by its name.
+    let out = run(&unread, &["import", dir.path().to_str().unwrap()], None);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains(&format!(
+            "cannot read {}: it is a directory",
+            dir.path().display()
+        )),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!std::path::Path::new(&unread).exists(), "a store was made");
     // A new path is created by the commands that write, and read after.
     let new = path("new.db");
     assert!(run(&new, &["import"], Some(&base_log())).status.success());

@@ -270,6 +270,19 @@ both_backends!(every_documented_status, |url: String| async move {
     .await;
     assert_error(s, &v, StatusCode::BAD_REQUEST, "bad_request");
     assert_eq!(v["rule"], "malformed-json");
+    // A byte order mark before the JSON is ignored (RFC 8259 §8.1): the
+    // body is read, and its event judged.
+    let (s, v, _) = call(
+        &app,
+        Method::POST,
+        &uri,
+        None,
+        Some("application/json"),
+        "\u{feff}{\"expected_seq\": 6, \"events\": [{\"type\": \"no_such_type\"}]}",
+    )
+    .await;
+    assert_error(s, &v, StatusCode::UNPROCESSABLE_ENTITY, "invalid");
+    assert_eq!(v["rule"], "unknown-type", "{v}");
     // A key given twice would be stored as only one of its values.
     let (s, v, _) = call(
         &app,

@@ -770,6 +770,9 @@ fn parse_append(body: &[u8], max_events: usize) -> Result<(i64, ParsedEvents), A
         a.body.rule = Some(Rule::MalformedJson.code().to_owned());
         a
     };
+    // A byte order mark before the JSON is ignored (RFC 8259 §8.1 allows
+    // it), as `import` ignores one before its first line.
+    let body = body.strip_prefix(b"\xef\xbb\xbf").unwrap_or(body);
     crate::event::check_reserved_key(body).map_err(|m| malformed(format!("the body: {m}")))?;
     let value: Value = serde_json::from_slice(body)
         .and_then(|v| crate::event::check_unique_keys(body).map(|()| v))
