@@ -310,8 +310,15 @@ impl Error {
                 // PostgreSQL classes 08 (connection), 53 (resources), 57P
                 // (shutdown), 57014 (statement timeout), 55P03 (lock
                 // timeout), 25P03 (idle-in-transaction timeout), 40001/40P01
-                // (serialization, deadlock). All say "try again".
+                // (serialization, deadlock). All say "try again". So do the
+                // refusals of a new connection: class 28 (a bad password, a
+                // role that may not log in, pg_hba's reject) and 3D000 (no
+                // such database): the database cannot be had, which the
+                // operator fixes; a pool that opens a connection after the
+                // store's start met them as a server error (HTTP 500).
                 if code.starts_with("08")
+                    || code.starts_with("28")
+                    || code == "3D000"
                     || code.starts_with("53")
                     || code.starts_with("57P")
                     || ["57014", "55P03", "25P03", "40001", "40P01"].contains(&code.as_str())

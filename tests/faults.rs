@@ -1380,6 +1380,92 @@ async fn postgres_a_restart_fails_no_read() {
     assert_eq!(store.head_seq(s).await.unwrap(), head + 1);
 }
 
+/// With PostgreSQL down, a read is answered `Unavailable` after one
+/// connection timeout (5 s), whether it meets a dead pooled connection at
+/// once (used within the last second) or after the pool's ping: it is
+/// tried again only when its own statement met the broken connection,
+/// and then the second try's wait is the only one. The first version of
+/// that retry read any failure of the process (the pool's pings, its
+/// failed attempts) as the read's, and `serve`'s reads and `/readyz` took
+/// 10 s during an outage (an adversarial review's finding).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_read_during_an_outage_waits_one_connection_timeout() {
+    let Some(server) = own_server() else { return };
+    let store = Store::open(&server.url()).await.unwrap();
+    let s = Uuid::new_v4();
+    store.append(s, 0, vec![started()]).await.unwrap();
+    for idle in [Duration::ZERO, Duration::from_millis(1_200)] {
+        // Connections used just now, then left idle for `idle`.
+        store.history(s, 0, 10).await.unwrap();
+        server.stop();
+        tokio::time::sleep(idle).await;
+        for read in 0..2 {
+            store.clear_cache();
+            let start = Instant::now();
+            let said = store.head_seq(s).await;
+            let took = start.elapsed();
+            assert!(
+                matches!(said, Err(Error::Unavailable(_))),
+                "idle {idle:?}, read {read}: {said:?}"
+            );
+            assert!(
+                took < Duration::from_secs(8),
+                "idle {idle:?}, read {read}: answered after {took:?}, more than one connection timeout (5 s)"
+            );
+        }
+        server.launch().unwrap();
+    }
+}
+
+/// A connection the server refuses (class 28: here a role that may no
+/// longer log in; a changed password or pg_hba's `reject` are the same
+/// class) is the storage being unavailable, retryable, for reads and
+/// appends: the pool of a running store met it when it opened a new
+/// connection, and `serve` answered 500 `internal` (an adversarial
+/// review's finding; the CLI, which connects at start, said exit 4).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_refused_login_is_unavailable_not_a_server_error() {
+    let Some(server) = own_server() else { return };
+    let admin = sqlx::PgPool::connect(&server.url()).await.unwrap();
+    for sql in ["CREATE ROLE app LOGIN", "CREATE DATABASE appdb OWNER app"] {
+        sqlx::raw_sql(sql).execute(&admin).await.unwrap();
+    }
+    let url = server
+        .url()
+        .replace("postgres@", "app@")
+        .replace("/postgres", "/appdb");
+    let store = Store::open(&url).await.unwrap();
+    let s = Uuid::new_v4();
+    store.append(s, 0, vec![started()]).await.unwrap();
+    sqlx::raw_sql("ALTER ROLE app NOLOGIN")
+        .execute(&admin)
+        .await
+        .unwrap();
+    sqlx::raw_sql("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = 'app'")
+        .execute(&admin)
+        .await
+        .unwrap();
+    // Past the trusted second: each pooled connection is pinged, found
+    // cut, and a new one refused.
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    store.clear_cache();
+    let read = store.head_seq(s).await;
+    assert!(
+        matches!(&read, Err(Error::Unavailable(m)) if m.contains("not permitted to log in")),
+        "{read:?}"
+    );
+    let append = store.append(s, 1, vec![prompt("refused")]).await;
+    assert!(matches!(&append, Err(Error::Unavailable(_))), "{append:?}");
+    assert!(append.unwrap_err().is_retryable());
+    // Allowed again, the same store goes on.
+    sqlx::raw_sql("ALTER ROLE app LOGIN")
+        .execute(&admin)
+        .await
+        .unwrap();
+    store.append(s, 1, vec![prompt("allowed")]).await.unwrap();
+    assert_eq!(store.head_seq(s).await.unwrap(), 2);
+}
+
 /// With PostgreSQL down, an append that arrives while another waits for a
 /// connection is answered with that one's failure, not after a connection
 /// timeout of its own on top (10 s instead of 5, found by a review of

@@ -204,7 +204,7 @@ async fn trip<T>(
 ) -> Result<T> {
     within(deadline, async {
         round_trip.await.map_err(|e| {
-            noted(&e);
+            failed(&e);
             Error::from_sqlx(e)
         })
     })
@@ -230,28 +230,43 @@ async fn within<T>(
         })
 }
 
-/// Runs `read`, and once more when it failed on a connection that broke
-/// meanwhile ([`FAILURES`] moved: the server restarted or failed over).
-/// A read changes nothing, so the second try, on a connection the pool has
-/// pinged or opened since ([`suspect`]), answers what the first would
-/// have; without it the first request after a restart failed
-/// (docs/design.md, "Connection health"). Any other failure (a timeout, a
-/// refusal, a bad request), and the second try's, is answered as it is:
-/// with the server down, the second try waits for a connection at most
-/// one connection timeout.
+/// Runs `read`, and once more when its own statement failed on a broken
+/// connection ([`failed`] marked it: the server restarted or failed over
+/// since the connection's last use). A read changes nothing, so the second
+/// try, on a connection the pool has pinged or opened since ([`suspect`]),
+/// answers what the first would have; without it the first request after
+/// a restart failed (docs/design.md, "Connection health"). Any other
+/// failure (no connection within the connection timeout, a timeout, a
+/// refusal, a bad request), and the second try's, is answered as it is: a
+/// read during an outage waits one connection timeout, not two.
 pub(crate) async fn again<T, F, Fut>(read: F) -> Result<T>
 where
     F: Fn() -> Fut,
     Fut: std::future::Future<Output = Result<T>>,
 {
-    let before = failures();
-    match read().await {
-        Err(Error::Unavailable(why)) if failures() != before => {
+    let (first, broke) = BROKE
+        .scope(std::cell::Cell::new(false), async {
+            let result = read().await;
+            (result, BROKE.with(std::cell::Cell::get))
+        })
+        .await;
+    match first {
+        Err(Error::Unavailable(why)) if broke => {
             debug!(%why, "a read met a broken PostgreSQL connection; reading again");
             read().await
         }
         other => other,
     }
+}
+
+tokio::task_local! {
+    /// Whether the read [`again`] runs met a broken connection: set by
+    /// [`failed`] for the errors the read's own statements return, not for
+    /// a ping's inside the pool (which only makes the pool take another
+    /// connection) nor for another task's (the first version counted every
+    /// failure of the process, and a read during an outage, seeing the
+    /// pool's failed attempts, waited out the connection timeout twice).
+    static BROKE: std::cell::Cell<bool>;
 }
 
 fn decode(row: Row) -> Result<StoredEvent> {
@@ -333,19 +348,32 @@ fn since_epoch() -> Duration {
     EPOCH.get_or_init(std::time::Instant::now).elapsed()
 }
 
-/// Records `e` when it is a connection's failure: the connection broke,
-/// or the server said it is shutting down or the connection is gone
-/// (classes 08 and 57P).
-fn noted(e: &sqlx::Error) {
-    let broken = match e {
+/// Whether `e` is a connection's failure: the connection broke, or the
+/// server said it is shutting down or the connection is gone (classes 08
+/// and 57P).
+fn broken(e: &sqlx::Error) -> bool {
+    match e {
         sqlx::Error::Io(_) | sqlx::Error::Tls(_) => true,
         sqlx::Error::Database(db) => db
             .code()
             .is_some_and(|c| c.starts_with("08") || c.starts_with("57P")),
         _ => false,
-    };
-    if broken {
+    }
+}
+
+/// Records `e` when it is a connection's failure ([`broken`]).
+fn noted(e: &sqlx::Error) {
+    if broken(e) {
         connection_lost();
+    }
+}
+
+/// [`noted`], for the error a statement returns to its caller: a read
+/// that [`again`] runs is then tried once more.
+fn failed(e: &sqlx::Error) {
+    if broken(e) {
+        connection_lost();
+        let _ = BROKE.try_with(|b| b.set(true));
     }
 }
 
@@ -357,22 +385,11 @@ fn noted(e: &sqlx::Error) {
 pub(crate) fn connection_lost() {
     let now = u64::try_from(since_epoch().as_millis()).unwrap_or(u64::MAX - 1) + 1;
     FAILED_AT.fetch_max(now, std::sync::atomic::Ordering::Relaxed);
-    FAILURES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// How many connection failures this process has [`noted`]: a read that
-/// fails while this moves failed on a connection that broke, and is worth
-/// trying once more on another ([`again`]).
-static FAILURES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// [`FAILURES`] now.
-pub(crate) fn failures() -> u64 {
-    FAILURES.load(std::sync::atomic::Ordering::Relaxed)
-}
-
-/// A row of a streamed read, its connection's failure [`noted`].
+/// A row of a streamed read, its connection's failure [`failed`].
 fn watched<R>(row: std::result::Result<R, sqlx::Error>) -> std::result::Result<R, sqlx::Error> {
-    row.inspect_err(noted)
+    row.inspect_err(failed)
 }
 
 /// Whether a connection of age `age` was opened before a connection
