@@ -1550,3 +1550,52 @@ both_backends!(
         assert_eq!(found.len(), 2, "each stored id once");
     }
 );
+
+/// A command that only reads (`create_if_missing: false`) does not make
+/// the store's tables in a PostgreSQL database that has none (another
+/// application's, a mistyped name): it says there is no store there, and
+/// the database is left as it was, as for a SQLite path (found by an
+/// adversarial review: `context` made 9 tables in another application's
+/// database). A store made by a writer then opens for reading.
+#[tokio::test]
+async fn postgres_a_read_of_a_database_without_a_store_changes_nothing() {
+    let Some(db) = common::postgres_db() else {
+        return;
+    };
+    let tables = || async {
+        let pool = sqlx::PgPool::connect(&db.url).await.unwrap();
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_tables WHERE schemaname = current_schema()",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        pool.close().await;
+        n
+    };
+    {
+        let pool = sqlx::PgPool::connect(&db.url).await.unwrap();
+        sqlx::query("CREATE TABLE customers (id INTEGER)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        pool.close().await;
+    }
+    let read_only = || session_store::StoreOptions {
+        create_if_missing: false,
+        ..Default::default()
+    };
+    match Store::open_with(&db.url, read_only()).await {
+        Err(Error::NotAStore(m)) => assert!(
+            m.contains("there is no session store in the PostgreSQL database"),
+            "{m}"
+        ),
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+    assert_eq!(tables().await, 1, "only the application's own table");
+    let writer = Store::open(&db.url).await.unwrap();
+    writer.close().await;
+    let reader = Store::open_with(&db.url, read_only()).await.unwrap();
+    assert_eq!(reader.head_seq(Uuid::new_v4()).await.unwrap(), 0);
+    reader.close().await;
+}

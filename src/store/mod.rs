@@ -175,9 +175,11 @@ pub struct StoreOptions {
     /// as the server takes; the CLI sets `--read-timeout`. SQLite is local
     /// and its reads, in WAL mode, wait for no lock, so it is not bounded.
     pub read_deadline: Option<std::time::Duration>,
-    /// Whether opening a SQLite path that does not exist creates the store
-    /// there (the default). The CLI's commands that only read set it to
-    /// `false`, so a mistyped path is an error, not a new empty store.
+    /// Whether opening a SQLite path that does not exist, or a PostgreSQL
+    /// database without the store's tables, creates the store there (the
+    /// default). The CLI's commands that only read set it to `false`, so a
+    /// mistyped path or database name (or another application's database)
+    /// is an error ([`Error::NotAStore`]), not a new empty store.
     pub create_if_missing: bool,
     /// The longest window the activation set and recovery read
     /// ([`ROWLESS_WINDOW`]); tests set 0 to answer every session with a

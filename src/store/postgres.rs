@@ -189,6 +189,9 @@ pub(crate) struct PgBackend {
     read_deadline: Option<Duration>,
     /// [`StoreOptions::migration_lock_wait`].
     migration_lock_wait: Duration,
+    /// [`StoreOptions::create_if_missing`]: whether opening may make the
+    /// store's tables in a database that has none.
+    create: bool,
 }
 
 /// Waits for one round trip at most `deadline` (`None`: as long as the
@@ -448,6 +451,7 @@ impl PgBackend {
                 connect: std::sync::Arc::new(connect),
                 read_deadline: options.read_deadline,
                 migration_lock_wait: options.migration_lock_wait,
+                create: options.create_if_missing,
             }),
             Err(sqlx::Error::PoolTimedOut) => {
                 // The pool's timeout hides why each attempt failed: one
@@ -510,6 +514,17 @@ impl PgBackend {
             .collect();
         if applied.as_ref() == Some(&known) {
             return Ok(());
+        }
+        if applied.is_none() && !self.create {
+            // As for a SQLite path that names no store: a command that only
+            // reads does not make the store's tables in a database that has
+            // none (another application's, a mistyped name), and says so.
+            let db = self.connect.get_database().unwrap_or("postgres");
+            return Err(Error::NotAStore(format!(
+                "there is no session store in the PostgreSQL database {db:?} at {}:{}: it has none of the store's tables, and this command only reads (import, append, migrate, serve and tail --follow make them)",
+                self.connect.get_host(),
+                self.connect.get_port()
+            )));
         }
         // On a connection of its own without the statement timeout: a
         // migration that builds an index reads the whole log, which on a
