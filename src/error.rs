@@ -385,13 +385,23 @@ pub fn redact_url(url: &str) -> String {
 pub fn quoted(s: &str) -> String {
     // A message echoes what was sent; a name of 64 KiB (a request line
     // allows it) would make a message of as much. Long ones are cut.
-    const SHOWN: usize = 120;
-    if s.chars().nth(SHOWN).is_none() {
+    let Some(head) = cut_head(s) else {
         return serde_json::to_string(s).unwrap_or_else(|_| format!("{s:?}"));
-    }
-    let head: String = s.chars().take(SHOWN).collect();
+    };
     let head = serde_json::to_string(&head).unwrap_or_else(|_| format!("{head:?}"));
     format!("{}…\" ({} bytes)", &head[..head.len() - 1], s.len())
+}
+
+/// How many characters of a name or value a message quotes.
+const SHOWN: usize = 120;
+
+/// The first [`SHOWN`] characters of `s` when it has more (`None`: it is
+/// quoted whole). [`quoted`] and the cut of serde's own quotes in event
+/// errors (`event::cut_long`) share it.
+pub(crate) fn cut_head(s: &str) -> Option<String> {
+    s.chars()
+        .nth(SHOWN)
+        .map(|_| s.chars().take(SHOWN).collect())
 }
 
 #[cfg(test)]

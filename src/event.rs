@@ -928,7 +928,7 @@ fn payload<T: for<'de> Deserialize<'de>>(
 }
 
 /// What serde quotes (between backticks: a field's name; between double
-/// quotes: a string value) cut past [`SHOWN`] characters, with its length
+/// quotes: a string value) cut past 120 characters, with its length
 /// said: an unknown key or a `status` of 500 KB made an error of 1 MB,
 /// the key in it twice.
 fn cut_long_quotes(msg: &str) -> String {
@@ -947,17 +947,11 @@ fn cut_long_quotes(msg: &str) -> String {
     out
 }
 
-/// How much of a quoted name or value an error shows.
-const SHOWN: usize = 120;
-
-/// `s` cut after [`SHOWN`] characters, with its length said.
+/// `s` cut as [`crate::error::quoted`] cuts, with its length said.
 fn cut_long(s: &str) -> String {
-    match s.chars().nth(SHOWN) {
+    match crate::error::cut_head(s) {
         None => s.to_owned(),
-        Some(_) => {
-            let head: String = s.chars().take(SHOWN).collect();
-            format!("{head}… ({} bytes)", s.len())
-        }
+        Some(head) => format!("{head}… ({} bytes)", s.len()),
     }
 }
 
