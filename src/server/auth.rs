@@ -74,11 +74,6 @@ impl Principal {
     }
 }
 
-/// A token document, its entries read one by one (`Tokens::parse`).
-struct TokenFile {
-    tokens: Vec<TokenEntry>,
-}
-
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct TokenEntry {
@@ -157,19 +152,17 @@ impl Tokens {
                     "{source} is not a token document ({SHAPE}): it must be an object whose one field, \"tokens\", is a list"
                 )
             })?;
-        let file = TokenFile {
-            tokens: tokens
-                .iter()
-                .enumerate()
-                .map(|(i, t)| TokenEntry::deserialize(t).map_err(|_| misshapen(source, i, t)))
-                .collect::<Result<_, _>>()?,
-        };
-        if file.tokens.is_empty() {
+        let tokens: Vec<TokenEntry> = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| TokenEntry::deserialize(t).map_err(|_| misshapen(source, i, t)))
+            .collect::<Result<_, _>>()?;
+        if tokens.is_empty() {
             return Err(format!("{source} lists no tokens"));
         }
         let mut seen = HashSet::new();
-        let mut entries = Vec::with_capacity(file.tokens.len());
-        for (i, t) in file.tokens.into_iter().enumerate() {
+        let mut entries = Vec::with_capacity(tokens.len());
+        for (i, t) in tokens.into_iter().enumerate() {
             let at = format!("{source}, token {} (tenant {:?})", i + 1, t.tenant);
             if t.token.len() < MIN_TOKEN_LEN {
                 return Err(format!(
