@@ -228,7 +228,7 @@ pub enum Command {
         /// The session's UUID.
         session: String,
         /// Start after this seq (0: from the first event; a negative one
-        /// is a usage error, as over HTTP).
+        /// is refused: exit 2 here, 422 over HTTP).
         #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = clap::value_parser!(i64).range(0..))]
         after_seq: i64,
         /// Print at most this many events (all of them without it).
@@ -901,6 +901,12 @@ async fn run_on(
         } => {
             let spool = PiSpool::copy(input(file.as_ref())?)?;
             let tree = crate::pi::PiTree::read(spool.lines()?)?;
+            if let Some(version) = tree.newer_version() {
+                let current = crate::pi::CURRENT_VERSION;
+                eprintln!(
+                    "session-store: the pi session file is version {version}, newer than {current}; it is read as version {current}"
+                );
+            }
             let summary = import_pi(store, &tree, &spool, max_bytes).await?;
             let dropped = match tree.off_path() {
                 0 => String::new(),
@@ -1231,7 +1237,6 @@ async fn run_on(
                         match sub.next_batch().await {
                             Ok(page) => page,
                             Err(e @ Error::Unavailable(_)) => {
-                                tracing::warn!(cause = %e, after, "storage unavailable; tail waits and reads on");
                                 eprintln!("session-store: {e}; waiting and reading on after position {after}");
                                 tokio::time::sleep(std::time::Duration::from_secs(1)).await;
                                 continue;

@@ -35,8 +35,9 @@ pub const MODE: &str = "agent";
 /// The UUIDv5 namespace of pi session ids that are not UUIDs themselves.
 pub const NAMESPACE: Uuid = Uuid::from_u128(0x6a1c_5e0b_29d4_4f3e_9b7a_0c2e_51f8_d4a7);
 
-/// The current pi session format; older files are read as pi migrates them.
-const CURRENT_VERSION: u64 = 3;
+/// The current pi session format; older files are read as pi migrates them,
+/// newer ones as this version ([`PiTree::newer_version`]).
+pub const CURRENT_VERSION: u64 = 3;
 
 /// Bad pi input: the line (1-based, as in the file), the pi field at fault
 /// and what is wrong.
@@ -94,6 +95,9 @@ pub struct PiSession {
     pub entries: usize,
     /// Entries not on the path to the leaf (other branches), dropped.
     pub off_path: usize,
+    /// The header's version when newer than [`CURRENT_VERSION`]
+    /// ([`PiTree::newer_version`]).
+    pub newer_version: Option<u64>,
 }
 
 /// A name-based UUID (version 5, SHA-1) of `name` in `namespace`.
@@ -335,6 +339,13 @@ impl PiTree {
         self.session_id
     }
 
+    /// The header's version when it is newer than [`CURRENT_VERSION`]: the
+    /// file is read as that version, which its caller should say (a later
+    /// pi may have added what this reading drops).
+    pub fn newer_version(&self) -> Option<u64> {
+        (self.header.version > CURRENT_VERSION).then_some(self.header.version)
+    }
+
     /// Entries of the file (header excluded).
     pub fn entries(&self) -> usize {
         self.nodes.len()
@@ -484,6 +495,7 @@ pub fn convert(lines: &[(usize, String)]) -> Result<PiSession, PiError> {
         events,
         entries: tree.entries(),
         off_path: tree.off_path(),
+        newer_version: tree.newer_version(),
     })
 }
 
@@ -548,12 +560,6 @@ impl Header {
                 }
             },
         };
-        if version > CURRENT_VERSION {
-            tracing::warn!(
-                version,
-                "pi session file newer than version {CURRENT_VERSION}; reading it as version {CURRENT_VERSION}"
-            );
-        }
         Ok(Header {
             id,
             version,
@@ -1570,6 +1576,11 @@ mod tests {
         let huge = r#"{"type":"session","version":99999999999999999999,"id":"s-1"}"#;
         let s = convert_ok(&[huge, &user("e1", None, "x")]);
         assert_eq!(bodies(&s).len(), 2);
+        assert_eq!(s.newer_version, Some(u64::MAX));
+        assert_eq!(
+            convert_ok(&[HEADER, &user("e1", None, "x")]).newer_version,
+            None
+        );
         for bad in ["0", "-3", "2.5", "1e400", "\"3\""] {
             let header = format!(r#"{{"type":"session","version":{bad},"id":"s-1"}}"#);
             let e = err(&[&header]);

@@ -517,6 +517,18 @@ fn postgres_tail_follow_outlives_a_server_restart() {
     let lines = reader.join().unwrap();
     assert_eq!(lines.len(), 2, "{lines:?}");
     assert!(lines[1].contains("after the restart"), "{lines:?}");
+    // The outage was said, each time once, as a sentence (not also as a
+    // log line).
+    let mut said = String::new();
+    std::io::Read::read_to_string(&mut tail.stderr.take().unwrap(), &mut said).unwrap();
+    assert!(
+        said.contains("waiting and reading on after position 1"),
+        "{said}"
+    );
+    assert!(
+        said.lines().all(|l| l.starts_with("session-store: ")),
+        "{said}"
+    );
 }
 
 /// An append waiting for the counter's lock is cancelled (as a lock or

@@ -794,7 +794,7 @@ fn a_file_on_standard_input_imports_as_the_named_file_does() {
 /// them, as when the file was read whole (before it was read in passes):
 /// a line that is not UTF-8 anywhere, then the first bad entry, then what
 /// the store would refuse; a byte order mark alone on the first line is a
-/// blank line.
+/// blank line, and one before the header is skipped.
 #[test]
 fn errors_are_said_in_file_order_whatever_the_passes() {
     let db = common::sqlite_db();
@@ -834,6 +834,18 @@ fn errors_are_said_in_file_order_whatever_the_passes() {
             format!("\u{feff}\n{header}\n{user}\n").into_bytes(),
             None,
         ),
+        // Before the header, as JSON-lines import skips it; anywhere
+        // else it is not JSON.
+        (
+            "bom-before-header",
+            format!("\u{feff}{header}\n{user}\n").into_bytes(),
+            None,
+        ),
+        (
+            "bom-on-line-2",
+            format!("{header}\n\u{feff}{user}\n").into_bytes(),
+            Some("line 2: the line starts with a byte order mark"),
+        ),
     ];
     for (name, bytes, error) in cases {
         let path = write(name, bytes);
@@ -846,4 +858,41 @@ fn errors_are_said_in_file_order_whatever_the_passes() {
             None => assert!(out.status.success(), "{name}: {}", stderr(&out)),
         }
     }
+}
+
+/// A file newer than the format this import knows is read as that format,
+/// and the command says so in a sentence (not a log line), then imports.
+#[test]
+fn a_newer_pi_version_is_said_and_read_as_the_current_one() {
+    let db = common::sqlite_db();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("v4.jsonl");
+    let header =
+        r#"{"type":"session","version":4,"id":"s4","timestamp":"2025-06-01T10:00:00.000Z"}"#;
+    let user =
+        r#"{"type":"message","id":"a","parentId":null,"message":{"role":"user","content":"hi"}}"#;
+    std::fs::write(&path, format!("{header}\n{user}\n")).unwrap();
+    let out = run(
+        &db.url,
+        &["import", "--format", "pi", path.to_str().unwrap()],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        stderr(&out).trim(),
+        "session-store: the pi session file is version 4, newer than 3; it is read as version 3"
+    );
+    assert!(
+        stdout(&out).starts_with("imported 2 events"),
+        "{}",
+        stdout(&out)
+    );
+    // Version 3 says nothing.
+    let v3 = header.replace(":4,", ":3,").replace("s4", "s3");
+    std::fs::write(&path, format!("{v3}\n{user}\n")).unwrap();
+    let out = run(
+        &db.url,
+        &["import", "--format", "pi", path.to_str().unwrap()],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stderr(&out), "");
 }

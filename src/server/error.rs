@@ -142,8 +142,12 @@ impl From<Error> for ApiError {
                 let full =
                     said.contains("disk is full") || said.contains("No space left on device");
                 // SQLite's file removed or replaced under the server: a
-                // retry cannot help until the operator acts.
-                let moved = said.contains("while the store was open");
+                // retry cannot help until the operator acts. Appends and
+                // the readiness probe check the file; a read that opens a
+                // new connection finds it gone (SQLITE_CANTOPEN's words:
+                // the store was open, so the file was there).
+                let moved = said.contains("while the store was open")
+                    || matches!(&e, Error::Unavailable(m) if m == "unable to open database file");
                 let message = match (full, moved) {
                     (true, _) => "the database's disk is full; nothing was stored; try again once space is freed",
                     (false, true) => "the store's database file was removed or replaced while the server ran; nothing was stored; it answers again once the file is back and the server is restarted",
@@ -211,5 +215,12 @@ mod tests {
             "{said}"
         );
         assert!(!said.contains("/srv"), "{said}");
+        // A read's new connection finding no file says the same.
+        let e = ApiError::from(Error::Unavailable("unable to open database file".into()));
+        assert!(
+            e.body.message.contains("removed or replaced"),
+            "{}",
+            e.body.message
+        );
     }
 }
