@@ -1015,6 +1015,67 @@ fn postgres_an_append_behind_a_held_lock_is_not_cut_off_by_the_read_deadline() {
     });
 }
 
+/// Instances queued behind a stuck holder of the position counter each
+/// give up after `lock_timeout` (10 s), not after the waiters ahead of
+/// them: PostgreSQL times each lock wait on its own, and a second waiter
+/// for a row first waits for the first waiter (its tuple lock), then for
+/// the holder, so a bare `lock_timeout` let the second instance in line
+/// wait 20 s and the third 30 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_instances_queued_for_a_stuck_counter_each_wait_one_lock_timeout() {
+    use sqlx::Connection;
+    let Some(db) = common::postgres_db() else {
+        return;
+    };
+    let stores = [
+        Store::open(&db.url).await.unwrap(),
+        Store::open(&db.url).await.unwrap(),
+        Store::open(&db.url).await.unwrap(),
+    ];
+    let mut holder = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::raw_sql("BEGIN; SELECT 1 FROM event_position WHERE id = 1 FOR UPDATE")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let wait = |i: usize| {
+        let store = &stores[i];
+        async move {
+            // In line one after the other, each on its own connection.
+            tokio::time::sleep(Duration::from_millis(300 * i as u64)).await;
+            let started_at = Instant::now();
+            // A new session: the locked path (`begin_write`).
+            let r = store.append(Uuid::new_v4(), 0, vec![started()]).await;
+            (r, started_at.elapsed())
+        }
+    };
+    let (a, b, c) = tokio::join!(wait(0), wait(1), wait(2));
+    let waits = [a, b, c];
+    for (i, (r, waited)) in waits.iter().enumerate() {
+        let e = r.as_ref().expect_err("appended past a held counter");
+        assert!(matches!(e, Error::Unavailable(_)), "{i}: {e:?}");
+        assert!(
+            e.to_string().contains("lock"),
+            "{i}: the cause is not named: {e}"
+        );
+        assert!(
+            *waited >= Duration::from_secs(9) && *waited < Duration::from_secs(13),
+            "writer {i} waited {waited:?}"
+        );
+    }
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    // The counter free, every store appends again.
+    for store in &stores {
+        store
+            .append(Uuid::new_v4(), 0, vec![started()])
+            .await
+            .unwrap();
+        store.close().await;
+    }
+}
+
 /// A migration changed since it was applied is refused at open, on
 /// PostgreSQL as on SQLite: the open's quick check compares checksums too.
 #[test]

@@ -101,6 +101,31 @@ fn byte_bound(max_bytes: usize) -> i64 {
 /// position counter behind other writers before the server refuses it.
 const LOCK_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The locked path's wait for the position counter, in one round trip: at
+/// most [`LOCK_TIMEOUT`] in all. `lock_timeout` alone does not bound it:
+/// PostgreSQL times each lock a statement waits for on its own, and a
+/// writer queued behind another waiter for the counter's row first waits
+/// for that waiter (the row's tuple lock), then for the holder, so the
+/// second instance in line waited twice `lock_timeout` and the third
+/// three times (tests/faults.rs). The statement's own timeout covers all
+/// its waits; it is set back to the connection's after the lock.
+const LOCK_COUNTER: &str = "SET LOCAL statement_timeout = '10s'; \
+    SELECT 1 FROM event_position WHERE id = 1 FOR UPDATE; \
+    SET LOCAL statement_timeout = '30s'";
+
+/// A failed [`LOCK_COUNTER`]: its timeout said as the wait it bounds.
+fn counter_not_had(e: Error) -> Error {
+    match e {
+        Error::Unavailable(why) if why.contains("statement timeout") => {
+            Error::Unavailable(format!(
+            "the position counter's lock was not had within {} s: another writer holds it ({why})",
+            LOCK_TIMEOUT.as_secs()
+        ))
+        }
+        other => other,
+    }
+}
+
 /// Server-side settings of every connection: limits (see the module docs),
 /// the isolation the write path needs and the plans the reads need.
 const SESSION_SETTINGS: [(&str, &str); 6] = [
@@ -605,13 +630,14 @@ impl PgBackend {
         // A `BEGIN` that fails has written nothing: tried again as a read.
         let mut tx = again(|| trip(self.read_deadline, self.pool.begin())).await?;
         // Waiting for the lock behind another writer is healthy, and the
-        // server bounds it (`lock_timeout`); the client's bound comes on
+        // server bounds it ([`LOCK_COUNTER`]); the client's bound comes on
         // top of that, for a server that stops answering.
         trip(
             self.read_deadline.map(|d| d + LOCK_TIMEOUT),
-            sqlx::query("SELECT 1 FROM event_position WHERE id = 1 FOR UPDATE").execute(&mut *tx),
+            sqlx::Executor::execute(&mut *tx, sqlx::raw_sql(LOCK_COUNTER)),
         )
-        .await?;
+        .await
+        .map_err(counter_not_had)?;
         // Each round trip of a write is bounded as a read's is: `rebuild`
         // and the backfills at open have no other bound, and an append's
         // own deadline (when set) is no shorter.
@@ -2075,5 +2101,30 @@ mod tests {
                 "{said}"
             );
         }
+    }
+
+    /// The lock's bound is [`LOCK_TIMEOUT`], and what it sets back is the
+    /// connection's own `statement_timeout`.
+    #[test]
+    fn the_counters_lock_is_bounded_as_the_connection_settings_say() {
+        let setting = |name: &str| {
+            SESSION_SETTINGS
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| *v)
+                .unwrap()
+        };
+        assert_eq!(
+            setting("lock_timeout"),
+            format!("{}s", LOCK_TIMEOUT.as_secs())
+        );
+        assert!(LOCK_COUNTER.starts_with(&format!(
+            "SET LOCAL statement_timeout = '{}';",
+            setting("lock_timeout")
+        )));
+        assert!(LOCK_COUNTER.ends_with(&format!(
+            "SET LOCAL statement_timeout = '{}'",
+            setting("statement_timeout")
+        )));
     }
 }
