@@ -117,10 +117,11 @@ const LOCK_COUNTER: &str = "SET LOCAL statement_timeout = '10s'; \
 fn counter_not_had(e: Error) -> Error {
     match e {
         Error::Unavailable(why) if why.contains("statement timeout") => {
+            let limit = LOCK_TIMEOUT.as_secs();
             Error::Unavailable(format!(
-            "the position counter's lock was not had within {} s: another writer holds it ({why})",
-            LOCK_TIMEOUT.as_secs()
-        ))
+                "the position counter's lock was not had within {limit} s: \
+                 another writer holds it ({why})"
+            ))
         }
         other => other,
     }
