@@ -108,6 +108,12 @@ pub enum Command {
         /// `import` stores long inputs in runs instead.
         #[arg(long, default_value_t = crate::server::DEFAULT_MAX_BATCH_EVENTS as u32, value_parser = clap::value_parser!(u32).range(1..))]
         max_batch_events: u32,
+        /// Most bytes of lines the batch may hold (8 MiB, as `serve`'s
+        /// `--body-limit`); more exit 1 with nothing stored. A batch is
+        /// judged holding the store's write lock, which other processes
+        /// writing to a SQLite file wait for 10 s at most.
+        #[arg(long, default_value_t = crate::server::DEFAULT_BODY_LIMIT, value_parser = parse_body_limit)]
+        max_batch_bytes: usize,
     },
     /// Print the effective context (SEMANTICS §5).
     Context {
@@ -941,26 +947,38 @@ async fn run_on(
             expected_seq,
             file,
             max_batch_events,
+            max_batch_bytes,
             ..
         } => {
             let session = parse_session(&session)?;
             let lines = InputLines::new(input(file.as_ref())?, crate::event::line_limit(max_bytes));
             let mut events = Vec::new();
             let mut line_numbers = Vec::new();
+            let mut bytes = 0usize;
             for line in lines {
+                bytes = bytes.saturating_add(line.as_ref().map_or(0, |(_, text)| text.len()));
                 let parsed = parse_input_line(line, LineKind::Append, max_bytes);
-                let past_the_bound = match &parsed {
-                    Ok((n, _)) | Err(CliError::Line { line: n, .. }) => {
-                        Some(*n).filter(|_| events.len() >= max_batch_events as usize)
-                    }
-                    Err(_) => None,
+                let bound = match () {
+                    _ if events.len() >= max_batch_events as usize => Some(format!(
+                        "more than {max_batch_events} events (--max-batch-events)"
+                    )),
+                    _ if bytes > max_batch_bytes => Some(format!(
+                        "more than {max_batch_bytes} bytes of lines (--max-batch-bytes)"
+                    )),
+                    _ => None,
                 };
-                if let Some(n) = past_the_bound {
+                let past_the_bound = match (&parsed, bound) {
+                    (Ok((n, _)) | Err(CliError::Line { line: n, .. }), Some(bound)) => {
+                        Some((*n, bound))
+                    }
+                    _ => None,
+                };
+                if let Some((n, bound)) = past_the_bound {
                     // A line past the bound, readable or not: the expected
                     // seq first, then the bound.
                     store.append(session, expected_seq, Vec::new()).await?;
                     return Err(CliError::Input(format!(
-                        "line {n}: the batch holds more than {max_batch_events} events (--max-batch-events): \
+                        "line {n}: the batch holds {bound}: \
                          one append is one transaction, judged and written in memory; nothing was stored. \
                          Append fewer at a time, or use `import`, which stores a long input in runs"
                     )));

@@ -513,9 +513,41 @@ fn append_prints_seqs_and_a_conflict_exits_3() {
             "{backend}: {}",
             stderr(&out)
         );
+        // So does --max-batch-bytes, counted in bytes of lines: the line
+        // that crosses it is named.
+        let three = prompts(3);
+        let two_lines = three
+            .lines()
+            .take(2)
+            .map(str::len)
+            .sum::<usize>()
+            .to_string();
+        let out = run(
+            &db.url,
+            &[
+                "append",
+                S,
+                "--expected-seq",
+                "3",
+                "--max-batch-bytes",
+                &two_lines,
+            ],
+            Some(&three),
+        );
+        assert_eq!(out.status.code(), Some(1), "{backend}");
+        assert!(
+            stderr(&out).contains(&format!(
+                "line 3: the batch holds more than {two_lines} bytes of lines (--max-batch-bytes)"
+            )),
+            "{backend}: {}",
+            stderr(&out)
+        );
         let history = stdout(&run(&db.url, &["history", S, "--json"], None));
         assert_eq!(history.lines().count(), 3, "{backend}: nothing stored");
-        let out = run(&db.url, &capped("3"), Some(&prompts(3)));
+        let all_lines = three.lines().map(str::len).sum::<usize>().to_string();
+        let mut at_the_bounds = capped("3");
+        at_the_bounds.extend(["--max-batch-bytes", &all_lines]);
+        let out = run(&db.url, &at_the_bounds, Some(&three));
         assert!(out.status.success(), "{backend}: {}", stderr(&out));
         assert_eq!(stdout(&out).lines().count(), 3, "{backend}");
     }

@@ -836,6 +836,77 @@ both_backends!(
     }
 );
 
+/// `rebuild` of every session, run by one process, leaves the file's write
+/// lock to another process's writer within moments: each session is its
+/// own transaction, but one taken again at once left a writer sleeping in
+/// SQLite's busy handler to find the lock free by chance, and a rebuild of
+/// a few seconds made it give up (a review saw other instances answer 503
+/// after their 10 s busy timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_long_rebuild_lets_another_processs_writer_in() {
+    use sqlx::ConnectOptions;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("rebuild.db");
+    let url = path.display().to_string();
+    let store = Store::open(&url).await.unwrap();
+    let mut sessions = Vec::new();
+    for i in 0..200 {
+        let s = Uuid::new_v4();
+        let mut batch = vec![started()];
+        batch.extend((0..399).map(|j| prompt(&format!("session {i} prompt {j}"))));
+        store.append(s, 0, batch).await.unwrap();
+        sessions.push(s);
+    }
+    // Another process's writer, with a short busy timeout (a rebuild's
+    // run holds the lock 1 s at most): it takes the lock every 50 ms while
+    // the rebuild runs.
+    let mut other = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(&path)
+        .busy_timeout(std::time::Duration::from_millis(1500))
+        .connect()
+        .await
+        .unwrap();
+    let rebuilding = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let rebuild = {
+        let rebuilding = rebuilding.clone();
+        let store = &store;
+        let sessions = &sessions;
+        async move {
+            let started_at = std::time::Instant::now();
+            for s in sessions {
+                store.rebuild(*s).await.unwrap();
+            }
+            rebuilding.store(false, std::sync::atomic::Ordering::SeqCst);
+            started_at.elapsed()
+        }
+    };
+    let writer = async {
+        let mut waits = Vec::new();
+        while rebuilding.load(std::sync::atomic::Ordering::SeqCst) {
+            let asked = std::time::Instant::now();
+            let took = sqlx::raw_sql("BEGIN IMMEDIATE; ROLLBACK")
+                .execute(&mut other)
+                .await;
+            waits.push((asked.elapsed(), took.err().map(|e| e.to_string())));
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        waits
+    };
+    let (rebuilt_in, waits) = tokio::join!(rebuild, writer);
+    assert!(
+        rebuilt_in > std::time::Duration::from_secs(2),
+        "the rebuild took only {rebuilt_in:?}: too short to show anything"
+    );
+    let failed: Vec<_> = waits.iter().filter(|(_, e)| e.is_some()).collect();
+    assert!(
+        failed.is_empty(),
+        "{} of {} waits failed: {failed:?}",
+        failed.len(),
+        waits.len()
+    );
+    assert_eq!(store.verify(sessions[0]).await.unwrap(), None);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_append_cancelled_at_any_point_never_keeps_the_write_lock() {
     // An append alone in its group commits in its caller's task; a caller

@@ -782,7 +782,24 @@ pub struct Store {
     /// Set by [`Store::close`]: an append retrying unavailable storage
     /// gives up at once, as no retry can succeed.
     closed: std::sync::atomic::AtomicBool,
+    /// SQLite: when this store's run of back-to-back [`Store::rebuild`]s
+    /// started, and when the last one ended ([`REBUILD_RUN`]).
+    rebuilds: Mutex<Option<(std::time::Instant, std::time::Instant)>>,
 }
+
+/// How long back-to-back rebuilds of a SQLite store hold the file's write
+/// lock before they let other processes have it for [`REBUILD_PAUSE`].
+/// Each session is rebuilt in a transaction of its own, but the next one
+/// takes the lock again at once, while another process's writer waits in
+/// SQLite's busy handler, which sleeps between tries (up to 100 ms at a
+/// time) and finds the lock free only by chance: a `rebuild` of 240 000
+/// events answered other instances' appends with 503 after their 10 s busy
+/// timeout (a review's finding; tests/storage.rs).
+const REBUILD_RUN: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The lock left free after each [`REBUILD_RUN`]: longer than the busy
+/// handler's longest sleep, so every waiting writer tries during it.
+const REBUILD_PAUSE: std::time::Duration = std::time::Duration::from_millis(150);
 
 /// The per-session states of this process (see the module docs), shared
 /// with the group commit task.
@@ -1132,6 +1149,7 @@ impl Store {
             writer: Default::default(),
             pulse: Default::default(),
             closed: Default::default(),
+            rebuilds: Mutex::new(None),
         };
         store.migrate().await?;
         store.backfill_chains().await?;
@@ -1957,7 +1975,51 @@ impl Store {
 
     /// Recomputes one session's view and calls index from the log, under
     /// the write lock, replacing what was stored.
+    ///
+    /// On SQLite, rebuilds called back to back (`rebuild` of every
+    /// session) leave the file's write lock free for 150 ms after each
+    /// second of them, so that other processes' appends get in: SQLite
+    /// keeps no queue of the processes waiting for the lock.
     pub async fn rebuild(&self, session_id: Uuid) -> Result<()> {
+        if matches!(self.backend, Backend::Sqlite(_)) && self.rebuild_due_pause() {
+            tokio::time::sleep(REBUILD_PAUSE).await;
+        }
+        let rebuilt = self.rebuild_now(session_id).await;
+        if let Some((_, ended)) = self
+            .rebuilds
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+        {
+            *ended = std::time::Instant::now();
+        }
+        rebuilt
+    }
+
+    /// Whether this rebuild continues a run of them that has held SQLite's
+    /// write lock for [`REBUILD_RUN`]; a new run starts after the pause,
+    /// and after a rebuild that follows the last one by more than a pause
+    /// (the lock was free meanwhile).
+    fn rebuild_due_pause(&self) -> bool {
+        let mut run = self.rebuilds.lock().unwrap_or_else(|e| e.into_inner());
+        let now = std::time::Instant::now();
+        match *run {
+            Some((started, ended)) if now.duration_since(ended) < REBUILD_PAUSE => {
+                if now.duration_since(started) < REBUILD_RUN {
+                    return false;
+                }
+                // The pause is taken now: the run after it starts then.
+                *run = Some((now + REBUILD_PAUSE, now + REBUILD_PAUSE));
+                true
+            }
+            _ => {
+                *run = Some((now, now));
+                false
+            }
+        }
+    }
+
+    async fn rebuild_now(&self, session_id: Uuid) -> Result<()> {
         // Holding the writer slot: no group of this process can put back
         // a state (and what its append knew about the old view) meanwhile.
         let _slot = self.writer.clone().lock_owned().await;
