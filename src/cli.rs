@@ -958,14 +958,16 @@ async fn run_on(
             for line in lines {
                 bytes = bytes.saturating_add(line.as_ref().map_or(0, |(_, text)| text.len()));
                 let parsed = parse_input_line(line, LineKind::Append, max_bytes);
-                let bound = match () {
-                    _ if events.len() >= max_batch_events as usize => Some(format!(
+                let bound = if events.len() >= max_batch_events as usize {
+                    Some(format!(
                         "more than {max_batch_events} events (--max-batch-events)"
-                    )),
-                    _ if bytes > max_batch_bytes => Some(format!(
+                    ))
+                } else if bytes > max_batch_bytes {
+                    Some(format!(
                         "more than {max_batch_bytes} bytes of lines (--max-batch-bytes)"
-                    )),
-                    _ => None,
+                    ))
+                } else {
+                    None
                 };
                 let past_the_bound = match (&parsed, bound) {
                     (Ok((n, _)) | Err(CliError::Line { line: n, .. }), Some(bound)) => {
