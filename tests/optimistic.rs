@@ -189,7 +189,7 @@ both_backends!(
 // A compaction can leave a call before the window while its result is
 // still to come (several writers on one session; a tool that runs across a
 // compaction). The cache keeps the latest 64 such calls (`OPEN_CALLS_KEPT`
-// in src/store/mod.rs), so their results are judged from it; before, each
+// in src/store/cache.rs), so their results are judged from it; before, each
 // such result was refused from the cache and its group judged again under
 // the lock. An older one is still answered, under the lock.
 both_backends!(
