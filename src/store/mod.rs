@@ -28,8 +28,9 @@
 //! rest), so neither the time of an append nor the memory of the cache
 //! grows with the session's history.
 //!
-//! Where each part lives: this file holds the [`Store`] API, its reads and
-//! the `LogTx` trait; `append` the judgement and write of one batch;
+//! Where each part lives: this file holds the [`Store`] API and the `LogTx`
+//! trait; `read` how a state is read in a transaction; `rows` the derived
+//! rows an append writes; `append` the judgement and write of one batch;
 //! `group` the group commit around it; `cache` the per-session states;
 //! `rebuild` `verify`, `rebuild` and the activation-change backfill;
 //! `chain` the hash chain; `explain`, `query` and `subscribe` the audit
@@ -43,7 +44,9 @@ mod explain;
 mod group;
 pub(crate) mod postgres;
 pub mod query;
+mod read;
 mod rebuild;
+mod rows;
 pub(crate) mod sqlite;
 mod subscribe;
 
@@ -52,6 +55,10 @@ pub use cache::CacheUsage;
 pub(crate) use cache::{Known, StateCache, Warm};
 pub use chain::{ChainHead, IntegrityReport};
 pub use explain::{ContextPages, EventPages};
+use read::*;
+pub(crate) use read::{take_within, WindowRead};
+pub use rows::ChangeRow;
+pub(crate) use rows::*;
 pub use subscribe::{Subscription, Watch};
 
 use std::collections::{HashMap, HashSet};
@@ -302,20 +309,6 @@ pub struct Recovery {
     pub summary: Option<String>,
 }
 
-/// A row ready to insert.
-#[derive(Clone, Debug)]
-pub(crate) struct PendingRow {
-    pub(crate) position: i64,
-    pub(crate) session_id: Uuid,
-    pub(crate) seq: i64,
-    pub(crate) event_id: Uuid,
-    pub(crate) type_name: &'static str,
-    pub(crate) payload: String,
-    pub(crate) recorded_at: DateTime<Utc>,
-    /// The chain hash (docs/integrity.md).
-    pub(crate) hash: String,
-}
-
 /// The operations the shared append path needs inside one write
 /// transaction. Each backend implements it for its transaction type.
 pub(crate) trait LogTx: Send {
@@ -525,204 +518,6 @@ pub(crate) trait LogTx: Send {
     {
         self.commit()
     }
-}
-
-/// What an accepted batch writes (see [`LogTx::write_accepted`]).
-pub(crate) struct Accepted<'a> {
-    pub(crate) session_id: Uuid,
-    pub(crate) rows: &'a [PendingRow],
-    pub(crate) calls: &'a [CallRow],
-    /// The view at the batch's last refresh point, if it has one.
-    pub(crate) view: Option<&'a ViewRow>,
-    /// The tenant to record as the owner of a session this batch creates.
-    pub(crate) claim_for: Option<&'a str>,
-    /// The session's seq after the batch (for the wake-up).
-    pub(crate) seq: i64,
-    /// The `activation_changes` rows of the batch's refresh points.
-    pub(crate) changes: &'a [ChangeRow],
-}
-
-/// One row of `activation_changes`: a name entering or leaving the
-/// activation set at a refresh point (docs/audit.md).
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
-pub struct ChangeRow {
-    /// The session.
-    pub session_id: Uuid,
-    /// The refresh point's seq.
-    pub seq: i64,
-    /// The refresh point's global position.
-    pub position: i64,
-    /// The refresh point's time.
-    pub recorded_at: DateTime<Utc>,
-    /// The deferred tool.
-    pub tool: String,
-    /// `added` or `removed`.
-    pub change: String,
-    /// For `added`: the evidence seq it entered with.
-    pub evidence_seq: Option<i64>,
-}
-
-/// The refresh point an activation change is recorded at.
-pub(crate) struct ChangeAt {
-    session_id: Uuid,
-    seq: i64,
-    position: i64,
-    recorded_at: DateTime<Utc>,
-}
-
-impl ChangeAt {
-    /// Where `e` is.
-    pub(crate) fn of(e: &StoredEvent) -> ChangeAt {
-        ChangeAt {
-            session_id: e.session_id,
-            seq: e.seq,
-            position: e.position,
-            recorded_at: e.recorded_at,
-        }
-    }
-}
-
-/// The rows of `activation_changes` for one refresh point: the names of
-/// `after` not in `before` (added) and of `before` not in `after`.
-pub(crate) fn change_rows(
-    refresh: &ChangeAt,
-    before: &[Activation],
-    after: &[Activation],
-) -> Vec<ChangeRow> {
-    let row = |a: &Activation, change: &str, evidence_seq| ChangeRow {
-        session_id: refresh.session_id,
-        seq: refresh.seq,
-        position: refresh.position,
-        recorded_at: refresh.recorded_at,
-        tool: a.name.clone(),
-        change: change.to_owned(),
-        evidence_seq,
-    };
-    let mut rows: Vec<ChangeRow> = after
-        .iter()
-        .filter(|a| !before.iter().any(|b| b.name == a.name))
-        .map(|a| row(a, "added", Some(a.evidence_seq)))
-        .chain(
-            before
-                .iter()
-                .filter(|b| !after.iter().any(|a| a.name == b.name))
-                .map(|b| row(b, "removed", None)),
-        )
-        .collect();
-    rows.sort_by(|a, b| a.tool.cmp(&b.tool));
-    rows
-}
-
-/// One row of the calls index: call id, tool name, call seq, result seq.
-pub(crate) type CallRow = (String, String, i64, Option<i64>);
-
-/// Applies a written calls index row to rows read ahead, as the store's
-/// upsert does in the database: a known call gets only its result seq.
-pub(crate) fn upsert_call<K: Eq + std::hash::Hash>(
-    rows: &mut HashMap<K, CallRow>,
-    key: K,
-    call: &CallRow,
-) {
-    match rows.get_mut(&key) {
-        Some(known) => known.3 = call.3,
-        None => {
-            rows.insert(key, call.clone());
-        }
-    }
-}
-
-/// A materialized view as stored: the scalar columns plus JSON text for the
-/// catalogs, the window's evidence and the activation set.
-#[derive(Clone, Debug, PartialEq)]
-pub(crate) struct ViewRow {
-    pub(crate) session_id: Uuid,
-    pub(crate) refresh_seq: i64,
-    pub(crate) mode: String,
-    pub(crate) window_start: i64,
-    pub(crate) compaction_seq: Option<i64>,
-    pub(crate) summary: Option<String>,
-    pub(crate) catalogs: String,
-    pub(crate) evidence: String,
-    pub(crate) active: String,
-}
-
-/// The columns of `session_views` after `session_id`, in table order, as
-/// both backends select them.
-pub(crate) type ViewColumns = (
-    i64,
-    String,
-    i64,
-    Option<i64>,
-    Option<String>,
-    String,
-    String,
-    String,
-);
-
-impl ViewRow {
-    pub(crate) fn from_columns(session_id: Uuid, c: ViewColumns) -> ViewRow {
-        ViewRow {
-            session_id,
-            refresh_seq: c.0,
-            mode: c.1,
-            window_start: c.2,
-            compaction_seq: c.3,
-            summary: c.4,
-            catalogs: c.5,
-            evidence: c.6,
-            active: c.7,
-        }
-    }
-
-    pub(crate) fn from_view(v: &View) -> ViewRow {
-        ViewRow {
-            session_id: v.session_id,
-            refresh_seq: v.refresh_seq,
-            mode: v.mode.clone(),
-            window_start: v.window_start,
-            compaction_seq: v.compaction.as_ref().map(|(_, s)| *s),
-            summary: v.compaction.as_ref().map(|(s, _)| s.clone()),
-            catalogs: serde_json::to_string(&v.catalogs).unwrap_or_default(),
-            evidence: serde_json::to_string(&v.evidence).unwrap_or_default(),
-            active: serde_json::to_string(&v.active).unwrap_or_default(),
-        }
-    }
-
-    pub(crate) fn to_view(&self) -> Result<View> {
-        let corrupt = |what: &str, e: serde_json::Error| {
-            Error::Corrupt(format!(
-                "the stored view of session {} has unreadable {what} ({e}); the log itself is not affected, and a rebuild (`Store::rebuild`, or `session-store rebuild {}`) recomputes the view from it",
-                self.session_id, self.session_id
-            ))
-        };
-        let active: Vec<ActiveJson> =
-            serde_json::from_str(&self.active).map_err(|e| corrupt("active", e))?;
-        Ok(View {
-            session_id: self.session_id,
-            refresh_seq: self.refresh_seq,
-            mode: self.mode.clone(),
-            window_start: self.window_start,
-            compaction: match (&self.summary, self.compaction_seq) {
-                (Some(s), Some(seq)) => Some((s.clone(), seq)),
-                _ => None,
-            },
-            catalogs: serde_json::from_str(&self.catalogs).map_err(|e| corrupt("catalogs", e))?,
-            evidence: serde_json::from_str(&self.evidence).map_err(|e| corrupt("evidence", e))?,
-            active: active
-                .into_iter()
-                .map(|a| Activation {
-                    name: a.name,
-                    evidence_seq: a.evidence_seq,
-                })
-                .collect(),
-        })
-    }
-}
-
-#[derive(serde::Deserialize)]
-struct ActiveJson {
-    name: String,
-    evidence_seq: i64,
 }
 
 #[derive(Clone)]
@@ -1691,167 +1486,6 @@ impl Store {
     }
 }
 
-/// The state of a session not in the cache: from its materialized view and
-/// effective window when it has one (cost: the window, not the history),
-/// else empty (the caller folds from seq 1); and the stored view it came
-/// from.
-async fn cold_state<T: LogTx>(
-    tx: &mut T,
-    session_id: Uuid,
-) -> Result<(SessionState, Option<ViewRow>)> {
-    match tx.load_view(session_id).await? {
-        Some(row) => {
-            let view = row.to_view()?;
-            let window = tx
-                .range(
-                    session_id,
-                    view.window_start - 1,
-                    view.refresh_seq,
-                    usize::MAX,
-                )
-                .await?;
-            Ok((SessionState::from_view(&view, &window), Some(row)))
-        }
-        None => Ok((SessionState::empty(session_id), None)),
-    }
-}
-
-/// The next page of a fold reaching `upto`: events `after + 1 ..`, at most
-/// [`FOLD_PAGE`] and none past `upto`; never empty (the log must have them).
-async fn fold_page<T: LogTx>(
-    tx: &mut T,
-    session_id: Uuid,
-    after: i64,
-    upto: i64,
-) -> Result<Vec<StoredEvent>> {
-    let page = tx
-        .range(
-            session_id,
-            after,
-            upto.min(after + FOLD_PAGE),
-            FOLD_PAGE_BYTES,
-        )
-        .await?;
-    if page.is_empty() {
-        return Err(Error::Corrupt(format!(
-            "session {session_id} has no event after seq {after} although it should reach seq {upto}"
-        )));
-    }
-    Ok(page)
-}
-
-/// Folds the events after `state.seq` up to `upto`, a page at a time.
-async fn catch_up<T: LogTx>(
-    tx: &mut T,
-    mut state: SessionState,
-    upto: i64,
-) -> Result<SessionState> {
-    while state.seq < upto {
-        let page = fold_page(tx, state.session_id, state.seq, upto).await?;
-        for e in &page {
-            state.apply(e);
-        }
-    }
-    Ok(state)
-}
-
-/// The state as of `at` (the head when `None`), read in one transaction so
-/// the view, the window and the events after it agree. Without `rows`, a
-/// rowless state ([`rowless_state`]).
-async fn read_state<T: LogTx>(
-    mut tx: T,
-    cached: Option<SessionState>,
-    session_id: Uuid,
-    at: Option<i64>,
-    from_view: bool,
-    rows: bool,
-) -> Result<SessionState> {
-    let latest = tx.head_seq(session_id).await?;
-    if latest == 0 {
-        return Err(Error::SessionNotFound(session_id));
-    }
-    let target = match at {
-        None => latest,
-        Some(n) if (1..=latest).contains(&n) => n,
-        Some(n) => {
-            return Err(Error::SeqOutOfRange {
-                session_id,
-                seq: n,
-                latest,
-            })
-        }
-    };
-    if !rows {
-        return rowless_state(
-            &mut tx,
-            cached,
-            session_id,
-            target,
-            at.is_none() || from_view,
-        )
-        .await;
-    }
-    let state = match cached {
-        Some(s) if s.seq <= target => s,
-        // (A view past the target is dropped just below.)
-        _ if at.is_none() || from_view => cold_state(&mut tx, session_id).await?.0,
-        _ => SessionState::empty(session_id),
-    };
-    let state = if state.seq > target {
-        SessionState::empty(session_id)
-    } else {
-        state
-    };
-    // A read never validates: the calls outside the window are forgotten
-    // page by page, or a fold from seq 1 (`--at-seq`, a stream resuming)
-    // would hold every call of the session.
-    let mut state = state;
-    while state.seq < target {
-        for e in &fold_page(&mut tx, session_id, state.seq, target).await? {
-            state.apply(e);
-        }
-        state.forget_calls_outside_window();
-    }
-    Ok(state)
-}
-
-/// The state after event `target` without the window's rows
-/// ([`SessionState::is_rowless`]): what an activation set, a view or a
-/// context's bounds need, read in pages of bounded bytes, so that no fold
-/// holds a session that was never compacted (whose window is its whole
-/// log: 708 MB for `activations --at-seq` at 10^6 events before,
-/// docs/benchmarks.md item 22). From the view when `from_view` and the view
-/// is at or before `target`, else from seq 1 (an answer from the log
-/// alone). A cached state already at `target` is the answer as it is.
-async fn rowless_state<T: LogTx>(
-    tx: &mut T,
-    cached: Option<SessionState>,
-    session_id: Uuid,
-    target: i64,
-    from_view: bool,
-) -> Result<SessionState> {
-    if let Some(state) = cached.filter(|s| s.seq == target) {
-        return Ok(state);
-    }
-    let view = match from_view {
-        true => tx.load_view(session_id).await?,
-        false => None,
-    };
-    let mut state = match view {
-        Some(row) if row.refresh_seq <= target => {
-            SessionState::from_view_without_rows(&row.to_view()?)
-        }
-        _ => SessionState::empty_without_rows(session_id),
-    };
-    while state.seq < target {
-        for e in fold_page(tx, session_id, state.seq, target).await? {
-            let kept = kept_seq(tx, &e).await?;
-            state.apply_rowless(e, kept);
-        }
-    }
-    Ok(state)
-}
-
 /// The refusal of an event whose id is already stored with other content
 /// or in another session (SEMANTICS §2). Names neither the other session
 /// nor its seq: the caller may not be allowed to know they exist.
@@ -1861,132 +1495,6 @@ pub fn event_id_reused(event_id: Uuid) -> ValidationError {
         Some("event_id"),
         format!("`event_id` {event_id} is already stored with other content or in another session"),
     )
-}
-
-/// The seq of the row a compaction keeps from, looked up in the log (a
-/// rowless state does not hold it); `None` for any other event, or a
-/// compaction that keeps nothing.
-async fn kept_seq<T: LogTx>(tx: &mut T, event: &StoredEvent) -> Result<Option<i64>> {
-    let EventBody::Compaction {
-        first_kept_event_id: Some(id),
-        ..
-    } = &event.body
-    else {
-        return Ok(None);
-    };
-    Ok(tx
-        .stored_by_ids(&[*id])
-        .await?
-        .into_iter()
-        .find(|kept| kept.session_id == event.session_id)
-        .map(|kept| kept.seq))
-}
-
-/// The rows of a view-and-window read (`view_and_window` of each backend)
-/// as they stream in: the view, then the events from the window's start
-/// (or from after the view, for a window longer than `max_window`). The
-/// events after the view stop at `max_bytes` of payloads, so a run of
-/// large events after the last prompt is not read whole (2 000 events of
-/// 100 KB took 411 MB); the window comes whole for a caller that needs its
-/// rows, and counts toward the bound for one that does not. A page is
-/// cut only when the rows come as the statement orders them (the view,
-/// then the first event expected and each next seq), which every plan
-/// here does; out of order, every row is read, as before.
-#[derive(Clone)]
-pub(crate) struct WindowRead {
-    max_window: i64,
-    /// Whether the window's payloads count too (a caller that needs no
-    /// rows, which then reads the events after the view page by page).
-    window_too: bool,
-    max_bytes: usize,
-    pub(crate) view: Option<ViewRow>,
-    pub(crate) events: Vec<StoredEvent>,
-    bytes: usize,
-    last_seq: Option<i64>,
-    in_order: bool,
-    /// Whether reading stopped at `max_bytes` (more may follow).
-    pub(crate) cut: bool,
-}
-
-impl WindowRead {
-    pub(crate) fn new(max_window: i64, window_too: bool, max_bytes: usize) -> WindowRead {
-        WindowRead {
-            max_window,
-            window_too,
-            max_bytes,
-            view: None,
-            events: Vec::new(),
-            bytes: 0,
-            last_seq: None,
-            in_order: true,
-            cut: false,
-        }
-    }
-
-    /// The longest window the read includes (a longer one is left out).
-    pub(crate) fn max_window(&self) -> i64 {
-        self.max_window
-    }
-
-    /// Whether the window's payloads count toward the bound.
-    pub(crate) fn window_too(&self) -> bool {
-        self.window_too
-    }
-
-    /// The bound, in bytes of payloads.
-    pub(crate) fn max_bytes(&self) -> usize {
-        self.max_bytes
-    }
-
-    /// Counts the next event row, at `seq` with a payload of `len` bytes;
-    /// false once the page is cut there (keep this row, read no more).
-    /// The backend keeps the rows and decodes them after the statement
-    /// (decoding each as it came held the driver's thread back: the
-    /// SQLite pre-request read was 12 % slower).
-    pub(crate) fn admit(&mut self, seq: i64, len: usize) -> bool {
-        let Some(view) = &self.view else {
-            self.in_order = false;
-            return true;
-        };
-        let expected = match self.last_seq {
-            Some(last) => last + 1,
-            None if view.refresh_seq - view.window_start + 1 > self.max_window => {
-                view.refresh_seq + 1
-            }
-            None => view.window_start,
-        };
-        self.last_seq = Some(seq);
-        self.in_order &= seq == expected;
-        if self.window_too || seq > view.refresh_seq {
-            self.bytes += len;
-        }
-        if self.in_order && self.bytes >= self.max_bytes {
-            self.cut = true;
-        }
-        !self.cut
-    }
-}
-
-/// Decodes rows one at a time until their payloads reach `max_bytes` (the
-/// row that reaches it included) or the rows end: `history_within`.
-pub(crate) async fn take_within<R, T>(
-    rows: &mut (impl tokio_stream::Stream<Item = std::result::Result<R, sqlx::Error>> + Unpin),
-    max_bytes: usize,
-    payload_len: impl Fn(&R) -> usize,
-    decode: impl Fn(R) -> Result<T>,
-) -> Result<Vec<T>> {
-    use tokio_stream::StreamExt;
-    let mut page = Vec::new();
-    let mut bytes = 0;
-    while let Some(row) = rows.next().await {
-        let row = row.map_err(Error::from_sqlx)?;
-        bytes += payload_len(&row);
-        page.push(decode(row)?);
-        if bytes >= max_bytes {
-            break;
-        }
-    }
-    Ok(page)
 }
 
 /// `events` up to the first whose JSON values the store could not read
