@@ -12,7 +12,8 @@ use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_session-store");
 
-fn run_bench(backend: &str, dir: &Path, extra: &[&str]) -> Value {
+/// The report of a `--quick` run, and what it said on stderr.
+fn run_bench(backend: &str, dir: &Path, extra: &[&str]) -> (Value, String) {
     let out = dir.join("report.json");
     let output = Command::new(BIN)
         .args(["bench", "--quick", "--backend", backend, "--out"])
@@ -41,8 +42,18 @@ fn run_bench(backend: &str, dir: &Path, extra: &[&str]) -> Value {
     }
     let svg = std::fs::read_to_string(dir.join("bench-latency.svg")).expect("the SVG plot");
     assert!(svg.starts_with("<svg"), "the plot is an SVG document");
-    serde_json::from_str(&std::fs::read_to_string(&out).expect("the report")).expect("JSON")
+    let report =
+        serde_json::from_str(&std::fs::read_to_string(&out).expect("the report")).expect("JSON");
+    (report, String::from_utf8_lossy(&output.stderr).into_owned())
 }
+
+/// The build this test's binary is (the tests and the binary are built
+/// with one profile).
+const BUILD: &str = if cfg!(debug_assertions) {
+    "debug"
+} else {
+    "release"
+};
 
 fn positive(v: &Value, path: &str) {
     let mut at = v;
@@ -127,12 +138,20 @@ fn check_backend(report: &Value, name: &str) {
 #[test]
 fn quick_bench_on_sqlite_writes_every_section() {
     let dir = tempfile::tempdir().unwrap();
-    let report = run_bench(
+    let (report, stderr) = run_bench(
         "sqlite",
         dir.path(),
         &["--dir", &dir.path().display().to_string()],
     );
     assert_eq!(report["quick"], true);
+    // The report says which build measured it, and a debug build's run
+    // says first that its figures are not the store's.
+    assert_eq!(report["build"], BUILD, "{}", report["build"]);
+    assert_eq!(
+        stderr.contains("is a debug build, without optimizations"),
+        BUILD == "debug",
+        "{stderr}"
+    );
     positive(&report, "machine.cpus");
     positive(&report, "mix.average_event_bytes");
     check_backend(&report, "sqlite");
@@ -155,11 +174,35 @@ fn quick_bench_on_postgres_writes_every_section() {
     }
     let own_server = extra.is_empty();
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let report = run_bench("postgres", dir.path(), &extra);
+    let (report, _) = run_bench("postgres", dir.path(), &extra);
     check_backend(&report, "postgres");
     // The bench restarts only a server it started itself, before the
     // recover phase, and the phases after it ran on the restarted server.
     let cold = &report["backends"][0]["recover"]["cold"];
     assert_eq!(cold["server_restarted"], own_server, "{cold}");
     assert_eq!(cold["page_cache_dropped"], false, "{cold}");
+}
+
+/// A full run of a debug build would take its ten minutes to measure an
+/// unoptimized store: it is refused at once, with the command that works,
+/// and writes no report. (A release build's full run is the bench itself;
+/// `bench::unoptimized_build`'s unit test covers that it is not refused.)
+#[cfg(debug_assertions)]
+#[test]
+fn a_full_bench_of_a_debug_build_is_refused_with_the_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("report.json");
+    let started = std::time::Instant::now();
+    let output = Command::new(BIN)
+        .args(["bench", "--backend", "sqlite", "--out"])
+        .arg(&out)
+        .env_remove("DATABASE_URL")
+        .output()
+        .expect("run session-store bench");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("debug build"), "{stderr}");
+    assert!(stderr.contains("cargo run --release -- bench"), "{stderr}");
+    assert!(!out.exists(), "no report is written");
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
 }

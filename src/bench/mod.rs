@@ -580,6 +580,36 @@ async fn measure(
 
 /// Runs the bench (the parent side): every phase of every backend, then the
 /// table on `out`, the JSON report and the SVG plot.
+/// What `bench` does in a build without optimizations (`cargo run`
+/// without `--release`): its figures are an unoptimized store's beside a
+/// ceiling that does far less of the unoptimized code (a read p99 of 22 ms
+/// instead of 1.6, batch ratios of 0.26-0.55 in a `--quick` run measured
+/// so), so they say nothing about the targets.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Unoptimized {
+    /// A full run, which would take its ten minutes to mislead: refused.
+    Refused(String),
+    /// A `--quick` run (the CI smoke test, which runs the test build):
+    /// run, with this said first.
+    Warned(String),
+}
+
+/// Whether a run (`quick` or full) in a build with or without
+/// `debug_assertions` (the proxy for an unoptimized build) is refused or
+/// warned about; `None` for an optimized build.
+pub fn unoptimized_build(quick: bool, debug: bool) -> Option<Unoptimized> {
+    const FIX: &str = "build with optimizations: `cargo run --release -- bench …`, or `target/release/session-store bench …`";
+    match (debug, quick) {
+        (false, _) => None,
+        (true, false) => Some(Unoptimized::Refused(format!(
+            "this session-store is a debug build, without optimizations: a full bench of it would measure an unoptimized store, about ten times slower than the store, against ceilings that barely run its code; {FIX}"
+        ))),
+        (true, true) => Some(Unoptimized::Warned(format!(
+            "this session-store is a debug build, without optimizations: this --quick run shows that the bench works, but its figures are not the store's; {FIX}"
+        ))),
+    }
+}
+
 pub async fn run(config: &BenchConfig, out: &mut dyn std::io::Write) -> Result<Report, BenchError> {
     let started = Instant::now();
     let started_at = chrono::Utc::now();
@@ -605,6 +635,14 @@ pub async fn run(config: &BenchConfig, out: &mut dyn std::io::Write) -> Result<R
         version: 1,
         command: config.command.clone(),
         quick: config.quick,
+        build: Some(
+            if cfg!(debug_assertions) {
+                "debug"
+            } else {
+                "release"
+            }
+            .to_owned(),
+        ),
         started_at,
         seconds: started.elapsed().as_secs_f64(),
         machine: Machine::this(),
@@ -633,4 +671,25 @@ pub async fn run(config: &BenchConfig, out: &mut dyn std::io::Write) -> Result<R
     )
     .map_err(|e| write_failed(Path::new("the table"), e))?;
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only a debug build is refused (a full run) or warned about (a quick
+    /// one); an optimized build runs either without a word.
+    #[test]
+    fn an_unoptimized_build_is_refused_a_full_run_and_warned_on_a_quick_one() {
+        assert_eq!(unoptimized_build(false, false), None);
+        assert_eq!(unoptimized_build(true, false), None);
+        let Some(Unoptimized::Refused(why)) = unoptimized_build(false, true) else {
+            panic!("a full run of a debug build is refused");
+        };
+        assert!(why.contains("--release"), "{why}");
+        let Some(Unoptimized::Warned(why)) = unoptimized_build(true, true) else {
+            panic!("a quick run of a debug build is warned about");
+        };
+        assert!(why.contains("--release"), "{why}");
+    }
 }

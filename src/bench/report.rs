@@ -22,6 +22,12 @@ pub struct Report {
     pub command: String,
     /// Whether it was a `--quick` run.
     pub quick: bool,
+    /// `release` (optimized) or `debug` (`cargo run` without `--release`,
+    /// whose figures are not the store's: [`super::unoptimized_build`]);
+    /// absent from reports written before it was recorded, all of release
+    /// builds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub build: Option<String>,
     /// When the run started.
     pub started_at: DateTime<Utc>,
     /// How long the run took, seconds.
@@ -209,6 +215,12 @@ pub fn write_tables(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
         if r.quick { "a --quick" } else { "a full" },
         r.mix.average_event_bytes
     )?;
+    if r.build.as_deref() == Some("debug") {
+        writeln!(
+            out,
+            "\n**A debug build, without optimizations: these figures are not the store's** (build with `--release`)."
+        )?;
+    }
 
     writeln!(out, "\n## Append throughput (events/s, median (min–max) of {} repeats; ratio = store / ceiling)\n",
         r.backends.first().map(|b| b.append.plan.repeats).unwrap_or(0))?;

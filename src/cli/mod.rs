@@ -823,6 +823,11 @@ async fn serve(
 /// so `--database` is not used.
 async fn bench(args: BenchArgs, out: &mut dyn Write) -> Result<(), CliError> {
     use crate::store::BackendKind;
+    match crate::bench::unoptimized_build(args.quick, cfg!(debug_assertions)) {
+        Some(crate::bench::Unoptimized::Refused(why)) => return Err(CliError::Input(why)),
+        Some(crate::bench::Unoptimized::Warned(why)) => eprintln!("session-store: {why}"),
+        None => {}
+    }
     let backends = match args.backend {
         BenchBackend::Sqlite => vec![BackendKind::Sqlite],
         BenchBackend::Postgres => vec![BackendKind::Postgres],
