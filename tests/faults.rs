@@ -1585,3 +1585,90 @@ async fn postgres_appends_queued_during_an_outage_wait_one_connection_timeout() 
         assert_eq!(store.head_seq(*s).await.unwrap(), 1, "nothing stored");
     }
 }
+
+/// A transaction's `BEGIN` given up on at its deadline while the server is
+/// stopped still runs when the server resumes. Its connection must not go
+/// back into use inside that transaction: a review saw an instance answer
+/// every third request with "current transaction is aborted" after such a
+/// stop, and writes run inside a leftover read-only transaction; a
+/// one-call append (this process wrote the session last) run inside a
+/// leftover transaction would be answered as stored and never committed.
+/// Resumed, the same store appends first (one call each) and reads at
+/// once, no connection of the server is left idle in a transaction, and a
+/// fresh store reads every append.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_begin_given_up_on_leaves_no_transaction_behind() {
+    let Some(server) = own_server() else { return };
+    let options = StoreOptions {
+        read_deadline: Some(Duration::from_secs(1)),
+        ..Default::default()
+    };
+    let store = Arc::new(Store::open_with(&server.url(), options).await.unwrap());
+    let (session, other) = (Uuid::new_v4(), Uuid::new_v4());
+    store
+        .append(session, 0, vec![started(), prompt("a"), prompt("b")])
+        .await
+        .unwrap();
+    store.append(other, 0, vec![started()]).await.unwrap();
+    // Reads at a seq each begin a read transaction; run together, they
+    // leave the pool several open connections.
+    let reads_at = |n: usize| {
+        let store = Arc::clone(&store);
+        tokio::spawn(async move {
+            let mut all = Vec::new();
+            for _ in 0..n {
+                all.push(store.state(session, Some(2)).await.map(|s| s.seq));
+            }
+            all
+        })
+    };
+    let warm: Vec<_> = (0..6).map(|_| reads_at(3)).collect();
+    for w in warm {
+        assert!(w.await.unwrap().iter().all(|r| matches!(r, Ok(2))));
+    }
+    let resume = stop(&server);
+    // Each `BEGIN` goes to an idle pooled connection of the stopped server
+    // and is given up on after 1 s: reads', and a write's (`rebuild` of
+    // another session, so this one's state stays cached and its next
+    // append is one call).
+    let stopped: Vec<_> = (0..4).map(|_| reads_at(1)).collect();
+    let (rebuild_err, _) = failed_read(store.rebuild(other)).await;
+    assert!(
+        matches!(rebuild_err, Error::Unavailable(_)),
+        "{rebuild_err:?}"
+    );
+    for s in stopped {
+        for r in s.await.unwrap() {
+            assert!(matches!(r, Err(Error::Unavailable(_))), "{r:?}");
+        }
+    }
+    drop(resume);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for i in 0..10 {
+        let appended = tokio::time::timeout(
+            Duration::from_secs(5),
+            store.append(session, 3 + i, vec![prompt(&format!("after {i}"))]),
+        )
+        .await;
+        assert!(
+            matches!(appended, Ok(Ok(_))),
+            "append {i} after the server resumed: {appended:?}"
+        );
+    }
+    let after: Vec<_> = (0..4).map(|_| reads_at(10)).collect();
+    for a in after {
+        for r in a.await.unwrap() {
+            assert!(matches!(r, Ok(2)), "a read after the server resumed: {r:?}");
+        }
+    }
+    let admin = sqlx::PgPool::connect(&server.url()).await.unwrap();
+    let in_tx: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE state LIKE 'idle in transaction%'",
+    )
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    assert_eq!(in_tx, 0, "connections left idle in a transaction");
+    let fresh = Store::open(&server.url()).await.unwrap();
+    assert_eq!(fresh.head_seq(session).await.unwrap(), 13);
+}

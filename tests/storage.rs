@@ -1672,3 +1672,39 @@ async fn postgres_a_read_of_a_database_without_a_store_changes_nothing() {
     assert_eq!(reader.head_seq(Uuid::new_v4()).await.unwrap(), 0);
     reader.close().await;
 }
+
+both_backends!(
+    a_position_at_the_end_of_its_range_is_said_not_overflowed,
+    |url: String| async move {
+        // Positions and seqs are i64s the store hands out one by one; a row
+        // (or PostgreSQL's counter) written around the store at the end of
+        // the range must be said, not overflowed (a panic in a debug build,
+        // negative positions no feed returns in a release build).
+        let store = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        store.append(s, 0, vec![started()]).await.unwrap();
+        store.close().await;
+        let edit = if url.starts_with("postgres") {
+            "UPDATE event_position SET last = 9223372036854775807 WHERE id = 1".to_owned()
+        } else {
+            format!(
+                "INSERT INTO events (position, session_id, seq, event_id, type, payload, recorded_at) \
+                 VALUES (9223372036854775807, '{}', 1, '{}', 'session_started', \
+                 '{{\"type\":\"session_started\",\"mode\":\"a\"}}', '2026-12-07T00:00:00.000000Z')",
+                Uuid::new_v4(),
+                Uuid::new_v4()
+            )
+        };
+        let at = url.clone();
+        tokio::task::spawn_blocking(move || common::raw_sql(&at, &edit))
+            .await
+            .unwrap();
+        let store = Store::open(&url).await.unwrap();
+        let err = store.append(s, 1, vec![prompt("p")]).await.unwrap_err();
+        assert!(
+            matches!(&err, Error::Corrupt(m) if m.contains("9223372036854775807")),
+            "{err:?}"
+        );
+        assert_eq!(store.head_seq(s).await.unwrap(), 1, "nothing stored");
+    }
+);

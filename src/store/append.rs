@@ -166,6 +166,9 @@ async fn judge_and_write<T: LogTx>(
             current: head,
         });
     }
+    // Seqs and positions are counted in i64: one near its end was written
+    // around the store (a hand-edited row), and is said, not overflowed.
+    no_room_after(head, events.len(), "seq of the session")?;
     if events.is_empty() {
         return match invalid_tail {
             Some(invalid) => Err(invalid.clone().into()),
@@ -225,6 +228,9 @@ async fn judge_and_write<T: LogTx>(
         Some(_) => Some(tx.reserve_positions(events.len() as i64).await?),
         None => None,
     };
+    if let Some(first) = reserved {
+        no_room_after(first - 1, events.len(), "position of the log")?;
+    }
     let mut judge = |i: usize, rows: &mut Vec<PendingRow>| -> Result<()> {
         let e = &events[i];
         let payload = e.body.to_json_text();
@@ -345,6 +351,7 @@ async fn judge_and_write<T: LogTx>(
         Some(first) => first,
         None => tx.reserve_positions(events.len() as i64).await?,
     };
+    no_room_after(first_position - 1, events.len(), "position of the log")?;
     for (i, row) in rows.iter_mut().enumerate() {
         row.position = first_position + i as i64;
     }
@@ -441,4 +448,18 @@ async fn prefetch_calls<T: LogTx>(
         );
     }
     Ok(())
+}
+
+/// Refuses to count `n` more after `last` (a seq or a position) when that
+/// passes `i64::MAX`: the store never hands out such a number, so the row
+/// that holds `last` was written around it, and the log is said corrupt
+/// rather than overflowed (a panic in a debug build, a wrap to negative
+/// positions that no feed or cursor returns in a release build).
+pub(crate) fn no_room_after(last: i64, n: usize, what: &str) -> Result<()> {
+    match i64::try_from(n).ok().and_then(|n| last.checked_add(n)) {
+        Some(_) => Ok(()),
+        None => Err(Error::Corrupt(format!(
+            "the latest {what} is {last}, which leaves no room for {n} more: a row was written around the store"
+        ))),
+    }
 }

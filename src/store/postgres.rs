@@ -224,9 +224,14 @@ pub(crate) struct PgBackend {
 /// server takes). A server that is stopped or cut off by a network that
 /// drops packets gives no error, and sqlx has no read timeout, so without
 /// a bound a read waits until the connection breaks, which can take the
-/// kernel many minutes (docs/operations.md). Dropping the round trip
-/// drops its connection's state with it: sqlx does not hand a connection
-/// with an unfinished exchange to another caller.
+/// kernel many minutes (docs/operations.md). A round trip dropped at its
+/// deadline leaves its connection waiting for the answer, which sqlx reads
+/// before the connection's next statement, so no caller reads another's
+/// answer; what the statement does on the server still happens once it
+/// runs. For a statement outside a transaction that is the statement's
+/// own effect (an append's is an unknown outcome); a `BEGIN`'s would be a
+/// transaction nobody knows of, so `BEGIN` has a deadline of its own
+/// ([`begin_within`]).
 async fn trip<T>(
     deadline: Option<Duration>,
     round_trip: impl std::future::Future<Output = std::result::Result<T, sqlx::Error>>,
@@ -251,12 +256,62 @@ async fn within<T>(
     };
     tokio::time::timeout(limit, round_trip)
         .await
-        .unwrap_or_else(|_| {
-            Err(Error::Unavailable(format!(
-                "PostgreSQL did not answer within {} s: the server may be stopped or cut off",
-                limit.as_secs_f64()
-            )))
-        })
+        .unwrap_or_else(|_| Err(no_answer(limit)))
+}
+
+/// A round trip's deadline passed.
+fn no_answer(limit: Duration) -> Error {
+    Error::Unavailable(format!(
+        "PostgreSQL did not answer within {} s: the server may be stopped or cut off",
+        limit.as_secs_f64()
+    ))
+}
+
+/// A transaction begun on a pooled connection (with `statement`, or a
+/// plain `BEGIN`), within `deadline`.
+///
+/// sqlx counts a transaction only once the server has answered its
+/// `BEGIN`, and rolls back on drop only the transactions it counts. A
+/// `BEGIN` given up on at its deadline (the server stopped, not gone) is
+/// still run when the server answers again, and its connection went back
+/// to the pool inside that transaction, unknown to sqlx: a review saw
+/// every third request of an instance fail with "current transaction is
+/// aborted" for as long as traffic kept the connection busy, writes run
+/// inside a read-only transaction, and a one-call append could have been
+/// answered as stored inside a transaction that later rolled back. Which
+/// connection it was is not known here (the `BEGIN`'s future owns it), so
+/// giving up on a `BEGIN` marks every connection open at that moment to be
+/// closed, not reused, when it is next released or handed out
+/// ([`opened_before_abandoned`], `pool_options`): after such an outage the
+/// pool opens its connections again, once.
+async fn begin_within(
+    pool: &PgPool,
+    deadline: Option<Duration>,
+    statement: Option<&'static str>,
+) -> Result<Transaction<'static, Postgres>> {
+    let begin = async {
+        match statement {
+            Some(statement) => pool.begin_with(statement).await,
+            None => pool.begin().await,
+        }
+    };
+    let Some(limit) = deadline else {
+        return trip(None, begin).await;
+    };
+    tokio::pin!(begin);
+    tokio::select! {
+        biased;
+        begun = &mut begin => begun.map_err(|e| {
+            failed(&e);
+            Error::from_sqlx(e)
+        }),
+        () = tokio::time::sleep(limit) => {
+            // Marked before the `BEGIN`'s future (and its connection) is
+            // dropped, at this function's end: its release sees the mark.
+            begin_abandoned();
+            Err(no_answer(limit))
+        }
+    }
 }
 
 /// Runs `read`, and once more when its own statement failed on a broken
@@ -351,12 +406,40 @@ pub(crate) fn pool_options() -> PgPoolOptions {
         .max_lifetime(None)
         .before_acquire(|conn, meta| {
             Box::pin(async move {
+                if opened_before_abandoned(meta.age) {
+                    return Ok(false);
+                }
                 if meta.idle_for >= TRUSTED_IDLE || suspect(meta.age) {
                     conn.ping().await.inspect_err(noted)?;
                 }
                 Ok(true)
             })
         })
+        // Before sqlx's ping on release, which would wait for a stopped
+        // server's answer to an abandoned `BEGIN` ([`begin_within`]).
+        .after_release(|_, meta| Box::pin(async move { Ok(!opened_before_abandoned(meta.age)) }))
+}
+
+/// When this process last gave up on a `BEGIN` at its deadline
+/// ([`begin_within`]), in milliseconds since [`EPOCH`] (0: never).
+static ABANDONED_AT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Records that a `BEGIN` was given up on now, rounded up as
+/// [`connection_lost`] does: a connection opened in the same millisecond
+/// is closed too.
+fn begin_abandoned() {
+    let now = u64::try_from(since_epoch().as_millis()).unwrap_or(u64::MAX - 1) + 1;
+    ABANDONED_AT.fetch_max(now, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether a connection of age `age` was open when a `BEGIN` was last
+/// given up on: it may be inside a transaction sqlx does not know of, and
+/// is closed rather than used again. Connections opened since are not.
+fn opened_before_abandoned(age: Duration) -> bool {
+    match ABANDONED_AT.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => false,
+        at => age >= since_epoch().saturating_sub(Duration::from_millis(at)),
+    }
 }
 
 /// How long after a connection failure the connections opened before it
@@ -629,7 +712,7 @@ impl PgBackend {
         // finding, tests/faults.rs). Begun apart, the transaction is
         // sqlx's, and a failed lock rolls back with it.
         // A `BEGIN` that fails has written nothing: tried again as a read.
-        let mut tx = again(|| trip(self.read_deadline, self.pool.begin())).await?;
+        let mut tx = again(|| begin_within(&self.pool, self.read_deadline, None)).await?;
         // Waiting for the lock behind another writer is healthy, and the
         // server bounds it ([`LOCK_COUNTER`]); the client's bound comes on
         // top of that, for a server that stops answering.
@@ -659,10 +742,10 @@ impl PgBackend {
     /// window and tail; it takes no lock.
     pub(crate) async fn begin_read(&self) -> Result<PgTx> {
         let tx = again(|| {
-            trip(
+            begin_within(
+                &self.pool,
                 self.read_deadline,
-                self.pool
-                    .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"),
+                Some("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"),
             )
         })
         .await?;
@@ -1626,6 +1709,11 @@ impl LogTx for PgTx {
                 last
             }
         };
+        super::append::no_room_after(
+            last,
+            usize::try_from(n).unwrap_or(usize::MAX),
+            "position of the log",
+        )?;
         self.last = Some(last + n);
         self.unwritten += n;
         Ok(last + 1)

@@ -1369,12 +1369,14 @@ impl LogTx for SqliteTx {
         // commit, so the next free one is simply max + 1 (the insert that
         // takes them moves `last_position` on).
         if let Some(last) = self.last_position {
+            super::append::no_room_after(last, 1, "position of the log")?;
             return Ok(last + 1);
         }
         let (last,): (i64,) = sqlx::query_as("SELECT COALESCE(MAX(position), 0) FROM events")
             .fetch_one(self.conn().await?)
             .await
             .map_err(Error::from_sqlx)?;
+        super::append::no_room_after(last, 1, "position of the log")?;
         Ok(last + 1)
     }
 
