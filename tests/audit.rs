@@ -254,6 +254,18 @@ fn explain_rejects_bad_points_with_a_sentence() {
             vec!["explain", S, "web_fetch", "--at-prompt", "0"],
             "there is no prompt 0",
         ),
+        // Past i64: an answer's error (exit 1), as for `--at-seq`, not a
+        // usage error.
+        (
+            vec![
+                "explain",
+                S,
+                "web_fetch",
+                "--at-prompt",
+                "99999999999999999999",
+            ],
+            "there is no prompt",
+        ),
         (
             vec!["explain", S, "web_fetch", "--at-seq", "16"],
             "seq 16 is out of range",

@@ -263,7 +263,7 @@ both_backends!(
         assert!(report.breaks.is_empty(), "{report:?}");
         assert_eq!(report.log_problems.len(), 1, "{report:?}");
         assert!(
-            report.log_problems[0].contains("1 row was deleted"),
+            report.log_problems[0].contains("1 position is missing"),
             "{report:?}"
         );
         let (code, text) = cli_verify(&url);

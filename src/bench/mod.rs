@@ -273,18 +273,14 @@ impl Scratch {
                 url
             }
         };
-        let (base, _) = admin.rsplit_once('/').ok_or_else(|| {
-            BenchError::Setup(format!(
-                "{admin:?} does not name a database after its last /"
-            ))
-        })?;
         let tag = Uuid::new_v4().simple().to_string();
         let mut urls = Vec::new();
         for what in ["append", "sessions"] {
             let name = format!("bench_{what}_{}", &tag[..12]);
+            let url = database_url(&admin, &name)?;
             admin_sql(&admin, &format!("CREATE DATABASE {name}")).await?;
             self.pg_created.push((admin.clone(), name.clone()));
-            urls.push(format!("{base}/{name}"));
+            urls.push(url);
         }
         Ok(Databases {
             append_url: urls[0].clone(),
@@ -306,11 +302,37 @@ impl Scratch {
     }
 }
 
+/// `admin` (a `postgres://` URL) with its database replaced by `name`,
+/// its options (`?sslmode=…`, `?host=/socket/dir`) kept; a URL without a
+/// database gets one.
+fn database_url(admin: &str, name: &str) -> Result<String, BenchError> {
+    let (url, query) = match admin.split_once('?') {
+        Some((url, query)) => (url, Some(query)),
+        None => (admin, None),
+    };
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return Err(BenchError::Setup(format!(
+            "{} is not a postgres:// URL",
+            crate::error::redact_url(admin)
+        )));
+    };
+    let authority = rest
+        .split_once('/')
+        .map_or(rest, |(authority, _)| authority);
+    Ok(match query {
+        Some(query) => format!("{scheme}://{authority}/{name}?{query}"),
+        None => format!("{scheme}://{authority}/{name}"),
+    })
+}
+
 async fn admin_sql(admin: &str, sql: &str) -> Result<(), BenchError> {
     use sqlx::Connection;
-    let mut c = sqlx::PgConnection::connect(admin)
-        .await
-        .map_err(|e| BenchError::Setup(format!("cannot connect to PostgreSQL at {admin}: {e}")))?;
+    let mut c = sqlx::PgConnection::connect(admin).await.map_err(|e| {
+        BenchError::Setup(format!(
+            "cannot connect to PostgreSQL at {}: {e}",
+            crate::error::redact_url(admin)
+        ))
+    })?;
     sqlx::raw_sql(sql)
         .execute(&mut c)
         .await
@@ -679,6 +701,27 @@ mod tests {
 
     /// Only a debug build is refused (a full run) or warned about (a quick
     /// one); an optimized build runs either without a word.
+    /// The bench's databases are named in the admin URL's place, its
+    /// options kept, whether or not it names a database.
+    #[test]
+    fn a_bench_database_replaces_the_admin_urls_database() {
+        for (admin, expected) in [
+            ("postgres://u:p@h:5432/postgres", "postgres://u:p@h:5432/b1"),
+            ("postgres://localhost", "postgres://localhost/b1"),
+            ("postgres://localhost/", "postgres://localhost/b1"),
+            (
+                "postgresql://h/db?sslmode=require&host=/run/pg",
+                "postgresql://h/b1?sslmode=require&host=/run/pg",
+            ),
+        ] {
+            assert_eq!(database_url(admin, "b1").unwrap(), expected, "{admin}");
+        }
+        let Err(BenchError::Setup(said)) = database_url("localhost:5432/db", "b1") else {
+            panic!("a URL without a scheme is refused");
+        };
+        assert!(said.contains("not a postgres:// URL"), "{said}");
+    }
+
     #[test]
     fn an_unoptimized_build_is_refused_a_full_run_and_warned_on_a_quick_one() {
         assert_eq!(unoptimized_build(false, false), None);

@@ -1,7 +1,8 @@
 //! The command line: parses flags into typed commands (clap) and drives the
-//! [`Store`]. Every command prints machine-readable output with `--json`
-//! (the SEMANTICS §9 shapes) and a readable table otherwise; errors are
-//! returned as [`CliError`] and mapped to exit codes by `main`.
+//! [`Store`]. Every command that answers a question prints machine-readable
+//! output with `--json` (the SEMANTICS §9 shapes) and a readable table
+//! otherwise (`import`, `migrate` and `rebuild` say what they did); errors
+//! are returned as [`CliError`] and mapped to exit codes by `main`.
 
 use std::collections::HashSet;
 use std::io::{BufRead, Write};
@@ -186,7 +187,7 @@ pub enum Command {
         #[arg(long, conflicts_with = "at_prompt", allow_negative_numbers = true, value_parser = parse_at_seq)]
         at_seq: Option<AtSeq>,
         /// Answer for the request of the K-th prompt (1-based).
-        #[arg(long, allow_negative_numbers = true)]
+        #[arg(long, allow_negative_numbers = true, value_parser = parse_at_prompt)]
         at_prompt: Option<i64>,
         /// Print one JSON object.
         #[arg(long)]
@@ -509,7 +510,8 @@ pub enum CliError {
 }
 
 impl CliError {
-    /// The exit code of SEMANTICS §9.
+    /// The exit code of SEMANTICS §9, and 5 for `verify`'s drift (this
+    /// store's addition).
     pub fn exit_code(&self) -> i32 {
         match self {
             CliError::Store(e) => store_exit_code(e),
@@ -611,6 +613,13 @@ fn parse_at_seq(s: &str) -> Result<AtSeq, String> {
             typed: Some(s.to_owned()),
         },
     })
+}
+
+/// `--at-prompt K`: a whole number, however far past the session's
+/// prompts (an error of the answer, exit 1, as for `--at-seq`), not a
+/// usage error for a number past `i64`.
+fn parse_at_prompt(s: &str) -> Result<i64, String> {
+    parse_at_seq(s).map(|at| at.seq)
 }
 
 fn parse_session(s: &str) -> Result<Uuid, CliError> {

@@ -180,7 +180,7 @@ impl Tokens {
             if t.tenant.is_empty() || t.tenant.len() > 200 || t.tenant.chars().any(char::is_control)
             {
                 return Err(format!(
-                    "{at}: the tenant must be 1 to 200 characters without control characters"
+                    "{at}: the tenant must be 1 to 200 bytes of UTF-8 without control characters"
                 ));
             }
             if t.scopes.is_empty() {

@@ -610,9 +610,9 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned> axum::extract::FromRequestP
 
 fn parse_session_id(id: &str) -> Result<Uuid, ApiError> {
     Uuid::parse_str(id).map_err(|_| {
-        let shown: String = id.chars().take(80).collect();
         ApiError::bad_request(format!(
-            "{shown:?} is not a session id: session ids are UUIDs"
+            "{} is not a session id: session ids are UUIDs",
+            crate::error::quoted(id)
         ))
     })
 }
@@ -901,8 +901,10 @@ fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
             if ct.is_empty() {
                 "the body must be sent with `Content-Type: application/json`".to_owned()
             } else {
-                let shown: String = ct.chars().take(80).collect();
-                format!("the body must be `application/json`, not {shown:?}")
+                format!(
+                    "the body must be `application/json`, not {}",
+                    crate::error::quoted(ct)
+                )
             },
         ))
     }

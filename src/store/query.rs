@@ -201,7 +201,6 @@ pub struct AnomalyPage {
     pub next: Option<String>,
 }
 
-/// `t` moved up to a whole microsecond (itself when it is one).
 /// The first and the last time the store keeps (years 0000 to 9999 in
 /// UTC, whole microseconds).
 fn stored_times() -> (DateTime<Utc>, DateTime<Utc>) {
@@ -216,6 +215,7 @@ fn stored_times() -> (DateTime<Utc>, DateTime<Utc>) {
     )
 }
 
+/// `t` moved up to a whole microsecond (itself when it is one).
 fn ceil_micros(t: DateTime<Utc>) -> DateTime<Utc> {
     let below = i64::from(t.timestamp_subsec_nanos() % 1_000);
     match below {
@@ -665,7 +665,11 @@ impl Store {
                     event_id: Some(e.event_id),
                     position: Some(e.position),
                     recorded_at: Some(e.recorded_at),
-                    detail: format!("call {call_id:?} of {tool} at seq {} has no result", e.seq),
+                    detail: format!(
+                        "call {} of {tool} at seq {} has no result",
+                        crate::error::quoted(&call_id),
+                        e.seq
+                    ),
                     tools: vec![tool],
                     call_id: Some(call_id),
                 }
