@@ -210,6 +210,62 @@ both_backends!(an_edited_payload_is_caught, |url: String| async move {
     assert!(text.contains("seq 3"), "{text}");
 });
 
+both_backends!(an_edited_type_column_is_caught, |url: String| async move {
+    // The column is a copy of the payload's type that the audit queries
+    // and the sparse indexes read: an edit of it alone is a break.
+    let (store, victim, _) = setup(&url).await;
+    store.close().await;
+    raw(
+        &url,
+        &format!(
+            "{} UPDATE events SET type = 'x_' || type WHERE session_id = {} AND seq = 3;",
+            disable_triggers(&url),
+            sid(&url, victim)
+        ),
+    )
+    .await;
+    assert_eq!(
+        first_break(&url, victim).await,
+        (3, BreakKind::HashMismatch)
+    );
+    let (code, text) = cli_verify(&url);
+    assert_eq!(code, 5, "{text}");
+    assert!(text.contains("type column"), "{text}");
+});
+
+both_backends!(
+    a_payload_edited_into_no_event_is_a_break_not_a_failure,
+    |url: String| async move {
+        // Reported at its row like any edit (exit 5), not as the storage
+        // failing (exit 4, no report, later sessions unchecked).
+        let (store, victim, bystander) = setup(&url).await;
+        store.close().await;
+        raw(
+            &url,
+            &format!(
+                "{} UPDATE events SET payload = 'not an event' WHERE session_id = {} AND seq = 3;",
+                disable_triggers(&url),
+                sid(&url, victim)
+            ),
+        )
+        .await;
+        assert_eq!(
+            first_break(&url, victim).await,
+            (3, BreakKind::HashMismatch)
+        );
+        let store = Store::open(&url).await.unwrap();
+        let report = store.verify_integrity(None).await.unwrap();
+        assert_eq!(report.breaks.len(), 1, "{report:?}");
+        assert!(
+            report.heads.iter().any(|h| h.session_id == bystander),
+            "the other session is still checked: {report:?}"
+        );
+        let (code, text) = cli_verify(&url);
+        assert_eq!(code, 5, "{text}");
+        assert!(text.contains("cannot be read as an event"), "{text}");
+    }
+);
+
 both_backends!(
     evidence_forged_into_a_result_is_caught,
     |url: String| async move {

@@ -11,11 +11,49 @@ use tracing::info;
 use uuid::Uuid;
 
 use super::{Backend, LogTx, Store};
-use crate::error::Result;
-use crate::integrity::{event_hash, ChainChecker, IntegrityBreak};
+use crate::error::{Error, Result};
+use crate::event::StoredEvent;
+use crate::integrity::{event_hash, BreakKind, ChainChecker, IntegrityBreak};
 
 /// Rows read per page while chaining or checking.
 const PAGE: i64 = 2_000;
+
+/// One row of a session's log as the chain's pages read it: not only the
+/// event but what `verify --integrity` must see of a row edited around
+/// the store.
+pub(crate) struct ChainedRow {
+    /// The row as an event, or why it cannot be read as one (its payload,
+    /// ids or time edited into something the store never writes).
+    pub(crate) event: std::result::Result<StoredEvent, String>,
+    /// The row's seq and event id, as stored (the id `None` when it is not
+    /// a UUID), for a break at a row that cannot be read.
+    pub(crate) seq: i64,
+    pub(crate) event_id: Option<Uuid>,
+    /// Its stored chain hash.
+    pub(crate) hash: Option<String>,
+    /// Its `type` column: a copy of the payload's type that the audit
+    /// queries and the sparse indexes read, so it must agree with it.
+    pub(crate) type_column: String,
+}
+
+impl ChainedRow {
+    /// A row read back, decoded with the backend's `decode`.
+    pub(crate) fn read(
+        event: Result<StoredEvent>,
+        seq: i64,
+        event_id: Option<Uuid>,
+        hash: Option<String>,
+        type_column: String,
+    ) -> ChainedRow {
+        ChainedRow {
+            event: event.map_err(|e| e.to_string()),
+            seq,
+            event_id,
+            hash,
+            type_column,
+        }
+    }
+}
 
 /// The hash to chain to after the session's event at `head` (`""` for a
 /// new session), given the hash stored with that event (read with the head,
@@ -48,8 +86,9 @@ async fn chain_session<T: LogTx>(tx: &mut T, session_id: Uuid) -> Result<String>
         if page.is_empty() {
             break;
         }
-        for (event, stored) in page {
-            prev = match stored {
+        for row in page {
+            let event = row.event.map_err(Error::Corrupt)?;
+            prev = match row.hash {
                 Some(h) => h,
                 None => {
                     let h = event_hash(&event, &prev);
@@ -111,14 +150,41 @@ async fn check_session<T: LogTx>(
         if page.is_empty() {
             break;
         }
-        for (event, stored) in &page {
+        for row in &page {
             report.events += 1;
-            if let Some(b) = checker.check(event, stored.as_deref()) {
+            let edited = |message: String| IntegrityBreak {
+                session_id,
+                seq: row.seq,
+                event_id: row.event_id.unwrap_or_default(),
+                kind: BreakKind::HashMismatch,
+                message,
+            };
+            let event = match &row.event {
+                Ok(event) => event,
+                Err(why) => {
+                    report.breaks.push(edited(format!(
+                        "session {session_id}: seq {} cannot be read as an event ({why}); it was edited around the store",
+                        row.seq
+                    )));
+                    return Ok(());
+                }
+            };
+            if row.type_column != event.body.type_name() {
+                report.breaks.push(edited(format!(
+                    "session {session_id}: seq {} (event {}) is a `{}` but its type column says {}; the column was edited around the store (the audit queries read it)",
+                    row.seq,
+                    event.event_id,
+                    event.body.type_name(),
+                    crate::error::quoted(&row.type_column)
+                )));
+                return Ok(());
+            }
+            if let Some(b) = checker.check(event, row.hash.as_deref()) {
                 report.breaks.push(b);
                 return Ok(());
             }
             after = event.seq;
-            head = stored.clone().map(|h| (event.seq, h));
+            head = row.hash.clone().map(|h| (event.seq, h));
         }
     }
     if let Some((seq, hash)) = head {

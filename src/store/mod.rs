@@ -473,7 +473,7 @@ pub(crate) trait LogTx: Send {
         session_id: Uuid,
         after: i64,
         limit: i64,
-    ) -> impl Future<Output = Result<Vec<(StoredEvent, Option<String>)>>> + Send;
+    ) -> impl Future<Output = Result<Vec<chain::ChainedRow>>> + Send;
     /// Fills in the missing hash of the event at `position`.
     fn set_hash(&mut self, position: i64, hash: &str) -> impl Future<Output = Result<()>> + Send;
     /// Sessions written before the chain existed and not chained yet.

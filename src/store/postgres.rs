@@ -33,10 +33,19 @@ static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/postgres")
 
 type Row = (i64, Uuid, i64, Uuid, String, DateTime<Utc>);
 
-/// A [`Row`] with its chain hash.
-type HashedRow = (i64, Uuid, i64, Uuid, String, DateTime<Utc>, Option<String>);
+/// A [`Row`] with its chain hash and its `type` column (`chained_page`).
+type TypedRow = (
+    i64,
+    Uuid,
+    i64,
+    Uuid,
+    String,
+    DateTime<Utc>,
+    Option<String>,
+    String,
+);
 
-/// A row of `prefetch`: a [`HashedRow`] and whether it is the session's
+/// A row of `prefetch`: a [`Row`] with its chain hash and whether it is the session's
 /// head, or (with the last column set) the counter's value and the views
 /// and calls index rows asked for, as JSON.
 type JudgeRow = (
@@ -1949,17 +1958,17 @@ impl LogTx for PgTx {
         session_id: Uuid,
         after: i64,
         limit: i64,
-    ) -> Result<Vec<(StoredEvent, Option<String>)>> {
+    ) -> Result<Vec<super::chain::ChainedRow>> {
         self.flush_for(session_id).await?;
         let sql = bounded_page(
-            &format!("{COLUMNS}, hash"),
+            &format!("{COLUMNS}, hash, type"),
             "session_id = $1 AND seq > $2",
             "seq",
             "$3",
             "$4",
         );
         let deadline = self.deadline;
-        let mut rows = sqlx::query_as::<_, HashedRow>(&sql)
+        let mut rows = sqlx::query_as::<_, TypedRow>(&sql)
             .bind(session_id)
             .bind(after)
             .bind(limit)
@@ -1971,8 +1980,16 @@ impl LogTx for PgTx {
             super::take_within(
                 &mut rows,
                 super::PAGE_BYTES,
-                |r: &HashedRow| r.4.len(),
-                |(p, s, q, e, pl, t, h)| Ok((decode((p, s, q, e, pl, t))?, h)),
+                |r: &TypedRow| r.4.len(),
+                |(p, s, q, e, pl, t, h, ty)| {
+                    Ok(super::chain::ChainedRow::read(
+                        decode((p, s, q, e, pl, t)),
+                        q,
+                        Some(e),
+                        h,
+                        ty,
+                    ))
+                },
             ),
         )
         .await

@@ -55,10 +55,19 @@ const AHEAD_ROWS: usize = 16;
 
 type Row = (i64, String, i64, String, String, String);
 
-/// A [`Row`] with its chain hash.
-type HashedRow = (i64, String, i64, String, String, String, Option<String>);
+/// A [`Row`] with its chain hash and its `type` column (`chained_page`).
+type TypedRow = (
+    i64,
+    String,
+    i64,
+    String,
+    String,
+    String,
+    Option<String>,
+    String,
+);
 
-/// A [`HashedRow`] (seq optional) and whether it is the head row
+/// A [`Row`] with its chain hash (seq optional) and whether it is the head row
 /// (`judge_reads`).
 type JudgeRow = (
     i64,
@@ -1587,11 +1596,11 @@ impl LogTx for SqliteTx {
         session_id: Uuid,
         after: i64,
         limit: i64,
-    ) -> Result<Vec<(StoredEvent, Option<String>)>> {
+    ) -> Result<Vec<super::chain::ChainedRow>> {
         let sql = format!(
-            "SELECT {COLUMNS}, hash FROM events WHERE session_id = ? AND seq > ? ORDER BY seq LIMIT ?"
+            "SELECT {COLUMNS}, hash, type FROM events WHERE session_id = ? AND seq > ? ORDER BY seq LIMIT ?"
         );
-        let mut rows = sqlx::query_as::<_, HashedRow>(&sql)
+        let mut rows = sqlx::query_as::<_, TypedRow>(&sql)
             .bind(session_id.to_string())
             .bind(after)
             .bind(limit)
@@ -1599,8 +1608,17 @@ impl LogTx for SqliteTx {
         super::take_within(
             &mut rows,
             super::PAGE_BYTES,
-            |r: &HashedRow| r.4.len(),
-            |(p, s, q, e, pl, t, h)| Ok((decode((p, s, q, e, pl, t))?, h)),
+            |r: &TypedRow| r.4.len(),
+            |(p, s, q, e, pl, t, h, ty)| {
+                let id = Uuid::parse_str(&e).ok();
+                Ok(super::chain::ChainedRow::read(
+                    decode((p, s, q, e, pl, t)),
+                    q,
+                    id,
+                    h,
+                    ty,
+                ))
+            },
         )
         .await
     }
