@@ -1274,6 +1274,17 @@ both_backends!(
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        // And it is counted, though its request was cut off (the counters
+        // were the handler's, which the timeout dropped).
+        let counted = "session_store_appends_total{outcome=\"ok\"} 1";
+        loop {
+            let (_, _, text) = call(&app, Method::GET, "/metrics", None, None, Body::empty()).await;
+            if text.contains(counted) && text.contains("session_store_appended_events_total 1") {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "{text}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         let patient = router(&store, ServerConfig::default());
         let (s, v) = post(&patient, &events_uri(id), None, &body).await;
         assert_eq!(

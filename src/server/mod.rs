@@ -980,6 +980,7 @@ async fn append(
     let guard = server.inner.appends.clone().read_owned().await;
     let store = server.inner.store.clone();
     let tenant = principal.tenant.clone();
+    let counted = server.clone();
     let started = Instant::now();
     let task = tokio::spawn(async move {
         let r = match invalid {
@@ -993,6 +994,31 @@ async fn append(
                 .await),
         };
         drop(guard);
+        // Counted here, not in the handler: an append whose request was
+        // cut off (its timeout, its client hanging up) still ran to its
+        // end, and what it stored is counted (a review found such appends
+        // stored and never counted).
+        let m = &counted.inner.metrics;
+        m.append_seconds.observe(started.elapsed().as_secs_f64());
+        match &r {
+            Ok(outcome) if outcome.replayed => m.append_outcome("replayed"),
+            Ok(_) => {
+                m.append_outcome("ok");
+                m.appended_events.inc_by(n);
+                m.refreshes.inc_by(refreshes);
+            }
+            Err(e) => {
+                m.append_outcome(match e {
+                    Error::Conflict { .. } => "conflict",
+                    Error::Invalid(_) => "invalid",
+                    Error::SessionNotFound(_) => "not_found",
+                    _ => "error",
+                });
+                if matches!(e, Error::Conflict { .. }) {
+                    m.conflicts.inc();
+                }
+            }
+        }
         r
     });
     let result = task.await.map_err(|e| {
@@ -1003,17 +1029,8 @@ async fn append(
             "the append failed unexpectedly; the server log has the cause",
         )
     })?;
-    let m = &server.inner.metrics;
-    m.append_seconds.observe(started.elapsed().as_secs_f64());
     match result {
         Ok(outcome) => {
-            if outcome.replayed {
-                m.append_outcome("replayed");
-            } else {
-                m.append_outcome("ok");
-                m.appended_events.inc_by(n);
-                m.refreshes.inc_by(refreshes);
-            }
             let body = AppendResponse {
                 session_id,
                 events: outcome.events.iter().map(AppendedEvent::from).collect(),
@@ -1021,18 +1038,7 @@ async fn append(
             };
             Ok((StatusCode::CREATED, Json(body)).into_response())
         }
-        Err(e) => {
-            m.append_outcome(match &e {
-                Error::Conflict { .. } => "conflict",
-                Error::Invalid(_) => "invalid",
-                Error::SessionNotFound(_) => "not_found",
-                _ => "error",
-            });
-            if matches!(e, Error::Conflict { .. }) {
-                m.conflicts.inc();
-            }
-            Err(e.into())
-        }
+        Err(e) => Err(e.into()),
     }
 }
 
