@@ -293,17 +293,19 @@ fn no_answer(limit: Duration) -> Error {
 /// closed, not reused, when it is next released or handed out
 /// ([`opened_before_abandoned`], `pool_options`): after such an outage the
 /// pool opens its connections again, once.
+///
+/// The connection is had first, under a deadline of its own: a wait for
+/// one (a busy pool) sends nothing, and giving up on it marks nothing.
+/// The `BEGIN` is then sent the way `Pool::begin` sends it
+/// (`Transaction::begin`, hidden from sqlx's docs but what its pool
+/// calls; sqlx is pinned by Cargo.lock).
 async fn begin_within(
     pool: &PgPool,
     deadline: Option<Duration>,
     statement: Option<&'static str>,
 ) -> Result<Transaction<'static, Postgres>> {
-    let begin = async {
-        match statement {
-            Some(statement) => pool.begin_with(statement).await,
-            None => pool.begin().await,
-        }
-    };
+    let conn = trip(deadline, pool.acquire()).await?;
+    let begin = Transaction::begin(conn, statement.map(std::borrow::Cow::Borrowed));
     let Some(limit) = deadline else {
         return trip(None, begin).await;
     };
