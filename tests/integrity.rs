@@ -263,6 +263,20 @@ both_backends!(
         let (code, text) = cli_verify(&url);
         assert_eq!(code, 5, "{text}");
         assert!(text.contains("cannot be read as an event"), "{text}");
+        // The views' check (plain `verify`, and the JSON report's
+        // `view_drift`) says it as a difference too, not as the storage
+        // failing (exit 4).
+        for args in [vec!["verify"], vec!["verify", "--integrity", "--json"]] {
+            let out = Command::new(env!("CARGO_BIN_EXE_session-store"))
+                .args(["--database", url.as_str()])
+                .args(&args)
+                .output()
+                .unwrap();
+            let said = String::from_utf8_lossy(&out.stderr).into_owned()
+                + &String::from_utf8_lossy(&out.stdout);
+            assert_eq!(out.status.code(), Some(5), "{args:?}: {said}");
+            assert!(said.contains("position"), "{args:?}: {said}");
+        }
     }
 );
 

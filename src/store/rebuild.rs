@@ -23,10 +23,19 @@ impl Store {
     /// Recomputes one session's view and calls index from the log and
     /// compares them with the stored ones: `Ok(None)` when they agree, else
     /// the first difference as a sentence.
+    ///
+    /// A row of the log or a stored view that cannot be read (edited
+    /// around the store into something it never writes) is such a
+    /// difference too, said as one (`verify`'s exit 5), not as the storage
+    /// failing.
     pub async fn verify(&self, session_id: Uuid) -> Result<Option<String>> {
-        match &self.backend {
+        let verified = match &self.backend {
             Backend::Sqlite(b) => verify_in(b.begin_read().await?, session_id).await,
             Backend::Postgres(b) => verify_in(b.begin_read().await?, session_id).await,
+        };
+        match verified {
+            Err(Error::Corrupt(why)) => Ok(Some(why)),
+            other => other,
         }
     }
 
