@@ -166,8 +166,9 @@ async fn judge_and_write<T: LogTx>(
             current: head,
         });
     }
-    // Seqs and positions are counted in i64: one near its end was written
-    // around the store (a hand-edited row), and is said, not overflowed.
+    // Seqs are counted in i64: one near its end was written around the
+    // store (a hand-edited row), and is said, not overflowed. (Positions
+    // are checked where they are reserved, `LogTx::reserve_positions`.)
     no_room_after(head, events.len(), "seq of the session")?;
     if events.is_empty() {
         return match invalid_tail {
@@ -228,9 +229,6 @@ async fn judge_and_write<T: LogTx>(
         Some(_) => Some(tx.reserve_positions(events.len() as i64).await?),
         None => None,
     };
-    if let Some(first) = reserved {
-        no_room_after(first - 1, events.len(), "position of the log")?;
-    }
     let mut judge = |i: usize, rows: &mut Vec<PendingRow>| -> Result<()> {
         let e = &events[i];
         let payload = e.body.to_json_text();
@@ -351,7 +349,6 @@ async fn judge_and_write<T: LogTx>(
         Some(first) => first,
         None => tx.reserve_positions(events.len() as i64).await?,
     };
-    no_room_after(first_position - 1, events.len(), "position of the log")?;
     for (i, row) in rows.iter_mut().enumerate() {
         row.position = first_position + i as i64;
     }

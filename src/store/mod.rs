@@ -419,7 +419,9 @@ pub(crate) trait LogTx: Send {
             ))
         }
     }
-    /// Reserves `n` global positions; returns the first.
+    /// Reserves `n` global positions; returns the first. A log whose last
+    /// position leaves no room for `n` more (written around the store) is
+    /// said corrupt ([`append::no_room_after`]), not overflowed.
     fn reserve_positions(&mut self, n: i64) -> impl Future<Output = Result<i64>> + Send;
     /// Inserts the rows.
     fn insert(&mut self, rows: &[PendingRow]) -> impl Future<Output = Result<()>> + Send;

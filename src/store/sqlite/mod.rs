@@ -1373,19 +1373,27 @@ impl LogTx for SqliteTx {
         Ok(())
     }
 
-    async fn reserve_positions(&mut self, _n: i64) -> Result<i64> {
+    async fn reserve_positions(&mut self, n: i64) -> Result<i64> {
         // The write lock is held: nobody else can take a position before we
         // commit, so the next free one is simply max + 1 (the insert that
         // takes them moves `last_position` on).
         if let Some(last) = self.last_position {
-            super::append::no_room_after(last, 1, "position of the log")?;
+            super::append::no_room_after(
+                last,
+                usize::try_from(n).unwrap_or(usize::MAX),
+                "position of the log",
+            )?;
             return Ok(last + 1);
         }
         let (last,): (i64,) = sqlx::query_as("SELECT COALESCE(MAX(position), 0) FROM events")
             .fetch_one(self.conn().await?)
             .await
             .map_err(Error::from_sqlx)?;
-        super::append::no_room_after(last, 1, "position of the log")?;
+        super::append::no_room_after(
+            last,
+            usize::try_from(n).unwrap_or(usize::MAX),
+            "position of the log",
+        )?;
         Ok(last + 1)
     }
 

@@ -27,7 +27,7 @@ pub(super) const STORE_TABLES: [&str; 8] = [
 
 /// Whether a path's lookup failed because nothing is there: the file, or
 /// a directory on its way (a file where a directory should be).
-pub(super) fn is_missing(e: &std::io::Error) -> bool {
+fn is_missing(e: &std::io::Error) -> bool {
     matches!(
         e.kind(),
         std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
@@ -36,7 +36,7 @@ pub(super) fn is_missing(e: &std::io::Error) -> bool {
 
 /// A name beside `path` that no other process uses: this process's id and
 /// a random part.
-pub(super) fn probe_path(path: &str) -> String {
+fn probe_path(path: &str) -> String {
     static PROBE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     let suffix =
         PROBE.get_or_init(|| format!("{}-{}", std::process::id(), Uuid::new_v4().simple()));
@@ -46,7 +46,7 @@ pub(super) fn probe_path(path: &str) -> String {
 /// Where a new store file would go: a missing directory is the caller's
 /// mistake (exit 1), said as such, not the "unable to open database file"
 /// of a storage outage.
-pub(super) fn check_parent(path: &str) -> Result<()> {
+fn check_parent(path: &str) -> Result<()> {
     let parent = match std::path::Path::new(path).parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => std::path::Path::new("."),
@@ -279,7 +279,7 @@ pub(super) fn uri_file(uri: &str) -> Option<Option<String>> {
 /// whose header still has SQLite's magic number (a committed one is
 /// deleted, truncated or, with `journal_mode=persist`, has its header
 /// zeroed).
-pub(super) fn is_hot_journal(journal: &str) -> bool {
+fn is_hot_journal(journal: &str) -> bool {
     const MAGIC: [u8; 8] = [0xd9, 0xd5, 0x05, 0xf9, 0x20, 0xa1, 0x63, 0xd7];
     let mut header = [0u8; 8];
     std::fs::File::open(journal)
@@ -347,7 +347,7 @@ pub(crate) fn connect_options(url: &str) -> Result<SqliteConnectOptions> {
 /// store there would acknowledge appends that end with the process (and
 /// each pooled connection would see a database of its own), so it is
 /// refused as a URL the store cannot use.
-pub(super) fn is_in_memory(path: &str) -> bool {
+fn is_in_memory(path: &str) -> bool {
     let (name, query) = path.split_once('?').unwrap_or((path, ""));
     let name = name.strip_prefix("file:").unwrap_or(name);
     name == ":memory:"
