@@ -1276,10 +1276,16 @@ both_backends!(
         }
         // And it is counted, though its request was cut off (the counters
         // were the handler's, which the timeout dropped).
+        // Its request too, as the 503 it answered (the histogram was
+        // outside the timeout and never saw it).
         let counted = "session_store_appends_total{outcome=\"ok\"} 1";
+        let timed_out = "session_store_http_request_duration_seconds_count{route=\"/v1/sessions/{id}/events\",method=\"POST\",status=\"503\"} 1";
         loop {
             let (_, _, text) = call(&app, Method::GET, "/metrics", None, None, Body::empty()).await;
-            if text.contains(counted) && text.contains("session_store_appended_events_total 1") {
+            if text.contains(counted)
+                && text.contains("session_store_appended_events_total 1")
+                && text.contains(timed_out)
+            {
                 break;
             }
             assert!(tokio::time::Instant::now() < deadline, "{text}");

@@ -205,13 +205,16 @@ impl Server {
                 self.clone(),
                 within_response_memory,
             ))
+            // Inside `track` too, so that a request cut off by the timeout
+            // is counted as the 503 it answers (outside, it was not counted
+            // at all). The fallbacks answer at once and need none.
+            .route_layer(middleware::from_fn(move |req: Request, next: Next| {
+                with_timeout(timeout, req, next)
+            }))
             .route_layer(middleware::from_fn_with_state(self.clone(), track))
             .fallback(not_found_route)
             .method_not_allowed_fallback(method_not_allowed)
             .layer(DefaultBodyLimit::max(self.inner.config.body_limit))
-            .layer(middleware::from_fn(move |req: Request, next: Next| {
-                with_timeout(timeout, req, next)
-            }))
             .layer(middleware::from_fn(move |req: Request, next: Next| {
                 refuse_announced_size(limit, req, next)
             }))
