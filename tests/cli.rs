@@ -1052,6 +1052,65 @@ fn import_keeps_the_lines_before_an_unreadable_or_oversized_line() {
 }
 
 #[test]
+fn import_holds_batches_of_a_few_megabytes_not_500_large_lines() {
+    // Twelve lines of about 900 KB after the base log's seven: a batch
+    // ends before its lines pass 8 MiB (an import of 100 MB of such lines
+    // held 880 MB), here after the ninth large line, between a call and
+    // its result; every event is stored and the result still answers the
+    // call in the other batch.
+    let db = common::sqlite_db();
+    let text = "y".repeat(900_000);
+    let mut lines = vec![base_log()];
+    for i in 1..=12 {
+        lines.push(with_session(&match i {
+            9 => format!(
+                r#"{{"type":"tool_call","call_id":"c3","tool_name":"web_fetch","input":"{text}"}}"#
+            ),
+            10 => format!(
+                r#"{{"type":"tool_result","call_id":"c3","tool_name":"web_fetch","status":"success","output":"{text}"}}"#
+            ),
+            _ => format!(r#"{{"type":"assistant_message","text":"{text}"}}"#),
+        }));
+    }
+    let mut child = Command::new(BIN)
+        .args(["--database", &db.url, "import"])
+        .env_remove("DATABASE_URL")
+        .env("RUST_LOG", "session_store::cli=debug")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(lines.join("\n").as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        stdout(&out),
+        "imported 19 events into 1 session (0 already stored)\n"
+    );
+    let batches: Vec<String> = stderr(&out)
+        .lines()
+        .filter(|l| l.contains("import: appending a batch"))
+        .map(|l| l.split("lines=").nth(1).unwrap_or_default().to_owned())
+        .collect();
+    assert_eq!(
+        batches,
+        ["16 first_line=1", "3 first_line=17"],
+        "{}",
+        stderr(&out)
+    );
+    let history = stdout(&run(&db.url, &["history", S, "--json"], None));
+    assert_eq!(history.lines().count(), 19);
+    let calls = stdout(&run(&db.url, &["activations", S, "--json"], None));
+    assert!(calls.contains("web_fetch"), "{calls}");
+}
+
+#[test]
 fn import_stores_a_producers_lines_as_they_come() {
     // A producer that has written 600 lines and is still running: the
     // first run (500 lines) is stored as it is full, and the other 100

@@ -8,6 +8,19 @@ use super::*;
 /// Lines of one session that `import` appends as one batch.
 const IMPORT_BATCH: usize = 500;
 
+/// The most bytes of input lines one batch of `import` holds (a batch
+/// always takes its first line, whatever its size). A batch is held a few
+/// times over while it is appended (the parsed events, the copy each
+/// attempt sends, their JSON text): 500 lines of 200 KB tool outputs took
+/// an import of 100 MB to 880 MB of memory.
+const IMPORT_BATCH_BYTES: usize = 8 * 1024 * 1024;
+
+/// Whether an event of `bytes` starts a new batch after `held` events of
+/// `held_bytes`: past `most` events or [`IMPORT_BATCH_BYTES`].
+fn batch_is_full(held: usize, held_bytes: usize, bytes: usize, most: usize) -> bool {
+    held >= most || (held > 0 && held_bytes.saturating_add(bytes) > IMPORT_BATCH_BYTES)
+}
+
 /// `file`, or standard input without one, for reading lines.
 pub(super) fn open_input(file: Option<&PathBuf>) -> Result<Box<dyn BufRead + Send>, CliError> {
     Ok(match file {
@@ -430,6 +443,7 @@ async fn import_into<I: Iterator<Item = InputLine>>(
 ) -> Result<(), CliError> {
     let mut sessions: HashSet<Uuid> = HashSet::new();
     let mut batch: Vec<(usize, NewEvent)> = Vec::new();
+    let mut batch_bytes = 0;
     let mut batch_session = None;
     loop {
         let line = match feed.next(!batch.is_empty()).await {
@@ -442,6 +456,7 @@ async fn import_into<I: Iterator<Item = InputLine>>(
                 continue;
             }
         };
+        let bytes = line.as_ref().map_or(0, |(_, text)| text.len());
         let parsed = parse_input_line(line, LineKind::Import, max_bytes);
         let (n, ParsedLine { session_id, event }) = match parsed {
             Ok(p) => p,
@@ -459,13 +474,18 @@ async fn import_into<I: Iterator<Item = InputLine>>(
         let repeats = event
             .event_id
             .is_some_and(|id| batch.iter().any(|(_, e)| e.event_id == Some(id)));
-        if batch_session != Some(session) || batch.len() >= IMPORT_BATCH || repeats {
+        if batch_session != Some(session)
+            || batch_is_full(batch.len(), batch_bytes, bytes, IMPORT_BATCH)
+            || repeats
+        {
             if let Some(s) = batch_session {
                 flush(store, s, std::mem::take(&mut batch), &mut sessions, summary).await?;
             }
             batch_session = Some(session);
+            batch_bytes = 0;
         }
         batch.push((n, event));
+        batch_bytes += bytes;
     }
     if let Some(s) = batch_session {
         flush(store, s, batch, &mut sessions, summary).await?;
@@ -492,6 +512,12 @@ async fn flush(
     if batch.is_empty() {
         return Ok(());
     }
+    tracing::debug!(
+        %session,
+        lines = batch.len(),
+        first_line = batch[0].0,
+        "import: appending a batch"
+    );
     match append_at_head(store, session, &batch, sessions, summary).await {
         Ok(()) => Ok(()),
         Err(Error::Invalid(v)) if v.rule == Rule::PartlyStoredBatch => {
@@ -597,7 +623,8 @@ impl From<CliError> for PiAttempt {
     }
 }
 
-/// Events a pi import appends at once. The whole file is judged before
+/// Events a pi import appends at once (at most [`IMPORT_BATCH_BYTES`] of
+/// them, as `import`'s batches). The whole file is judged before
 /// the first run is written, so a run is refused only by a race or by
 /// storage; one batch of the whole path held every event of a large file
 /// in the store's judging at once (600 MB for 100 000 entries).
@@ -738,12 +765,22 @@ async fn import_pi_once(
         replayed: head as usize,
         sessions: 1,
     };
-    let mut events = tree.events(spool.lines()?).skip(head as usize);
+    let mut events = tree.events(spool.lines()?).skip(head as usize).peekable();
     let mut at = head;
+    // The size of a converted event as its run weighs it (an error ends
+    // the run, and is then said).
+    let weight = |p: &Result<crate::pi::PiEvent, CliError>| {
+        p.as_ref().map_or(0, |p| p.event.body.heap_bytes())
+    };
     loop {
-        let mut run = Vec::with_capacity(PI_RUN);
-        for p in events.by_ref().take(PI_RUN) {
-            run.push(p?);
+        let mut run = Vec::new();
+        let mut run_bytes = 0;
+        while let Some(p) =
+            events.next_if(|p| !batch_is_full(run.len(), run_bytes, weight(p), PI_RUN))
+        {
+            let p = p?;
+            run_bytes += p.event.body.heap_bytes();
+            run.push(p);
         }
         if run.is_empty() {
             break;
