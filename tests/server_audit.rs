@@ -549,3 +549,87 @@ both_backends!(
         assert_eq!(v["refreshes"], Value::Array(expected));
     }
 );
+
+both_backends!(
+    pages_of_large_events_stop_at_four_mebibytes,
+    |url: String| async move {
+        // Eight events, six of about 900 KB: a page of history or of audit
+        // events stops after the event that brings it to 4 MiB (the fifth
+        // large one), with a cursor, whatever its `limit` (before, one
+        // request could make the server hold 1 000 events of 1 MiB).
+        let app = app(&url).await;
+        let id = Uuid::new_v4();
+        let text = "z".repeat(900_000);
+        let batches = [
+            json!([{"type": "session_started", "mode": "code"},
+                   {"type": "assistant_message", "text": text},
+                   {"type": "assistant_message", "text": text}]),
+            json!([{"type": "assistant_message", "text": text},
+                   {"type": "assistant_message", "text": text},
+                   {"type": "assistant_message", "text": text}]),
+            json!([{"type": "assistant_message", "text": text},
+                   {"type": "tool_call", "call_id": "c1", "tool_name": "Read", "input": "small"}]),
+        ];
+        let mut expected_seq = 0;
+        for events in batches {
+            let n = events.as_array().unwrap().len() as i64;
+            let body = json!({"expected_seq": expected_seq, "events": events});
+            let (s, v) = call(
+                &app,
+                Method::POST,
+                &format!("/v1/sessions/{id}/events"),
+                A_WRITER,
+                Body::from(body.to_string()),
+            )
+            .await;
+            assert_eq!(s, StatusCode::CREATED, "{v}");
+            expected_seq += n;
+        }
+        let seqs = |v: &Value| -> Vec<i64> {
+            v["events"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|e| e["seq"].as_i64().unwrap())
+                .collect()
+        };
+        let (s, v) = get(
+            &app,
+            &format!("/v1/sessions/{id}/events?limit=1000"),
+            A_WRITER,
+        )
+        .await;
+        assert_eq!(s, StatusCode::OK);
+        assert_eq!(
+            (seqs(&v), &v["next_after_seq"]),
+            (vec![1, 2, 3, 4, 5, 6], &json!(6))
+        );
+        let (_, v) = get(
+            &app,
+            &format!("/v1/sessions/{id}/events?limit=1000&after_seq=6"),
+            A_WRITER,
+        )
+        .await;
+        assert_eq!((seqs(&v), &v["next_after_seq"]), (vec![7, 8], &Value::Null));
+
+        let (s, v) = get(
+            &app,
+            &format!("/v1/audit/events?session={id}&limit=1000"),
+            A_AUDITOR,
+        )
+        .await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        assert_eq!(seqs(&v), vec![1, 2, 3, 4, 5, 6]);
+        let after = v["next_after_position"].as_i64().expect("a cursor");
+        let (_, v) = get(
+            &app,
+            &format!("/v1/audit/events?session={id}&limit=1000&after={after}"),
+            A_AUDITOR,
+        )
+        .await;
+        assert_eq!(
+            (seqs(&v), &v["next_after_position"]),
+            (vec![7, 8], &Value::Null)
+        );
+    }
+);

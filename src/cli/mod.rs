@@ -1326,7 +1326,11 @@ async fn run_on(
                 .map_err(io)?;
             }
             while left > 0 {
-                let page = store.history(session, after, left.min(1_000)).await?;
+                // Pages bounded in bytes too: 1 000 events of 1 MiB each
+                // were held at once.
+                let page = store
+                    .history_within(session, after, left.min(1_000), crate::store::PAGE_BYTES)
+                    .await?;
                 let Some(last) = page.last() else { break };
                 after = last.seq;
                 left -= page.len() as i64;

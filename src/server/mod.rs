@@ -890,6 +890,25 @@ fn short(v: &Value) -> &'static str {
 }
 
 fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
+    // RFC 9110 §8.4: a body in a coding the server does not apply is 415.
+    // Ignored, a gzip body was said to be "not JSON" and a body labelled
+    // `br` but sent plain was stored.
+    let codings: Vec<&str> = headers
+        .get_all(header::CONTENT_ENCODING)
+        .iter()
+        .flat_map(|v| v.to_str().unwrap_or("?").split(','))
+        .map(str::trim)
+        .filter(|c| !c.is_empty() && !c.eq_ignore_ascii_case("identity"))
+        .collect();
+    if let Some(coding) = codings.first() {
+        return Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            format!(
+                "the body is sent with `Content-Encoding: {coding}`, which this server does not decode; send it unencoded"
+            ),
+        ));
+    }
     let ct = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -1106,14 +1125,11 @@ async fn history(
             format!("`limit` must be between 1 and {MAX_PAGE}, not {limit}"),
         ));
     }
-    // One more than asked tells whether another page exists.
-    let mut events = server
+    let (events, more) = server
         .inner
         .store
-        .history(session_id, after, limit + 1)
+        .history_page(session_id, after, limit)
         .await?;
-    let more = events.len() as i64 > limit;
-    events.truncate(limit as usize);
     let next_after_seq = if more {
         events.last().map(|e| e.seq)
     } else {

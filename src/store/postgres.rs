@@ -940,17 +940,25 @@ impl PgBackend {
             .connect_lazy_with((*self.connect).clone())
     }
 
-    /// Runs an audit query that selects event rows (src/store/query.rs).
+    /// Runs an audit query that selects event rows (src/store/query.rs),
+    /// decoding rows until their payloads reach `max_bytes` (true: the
+    /// bytes stopped it). The rows after are read off the connection and
+    /// dropped one by one, not held.
     pub(crate) async fn fetch_events(
         &self,
         query: impl Fn() -> sqlx::QueryBuilder<'static, Postgres>,
-    ) -> Result<Vec<StoredEvent>> {
-        let rows: Vec<Row> = again(|| async {
+        max_bytes: usize,
+    ) -> Result<(Vec<StoredEvent>, bool)> {
+        again(|| async {
             let mut q = query();
-            trip(self.read_deadline, q.build_query_as().fetch_all(&self.pool)).await
+            let mut rows = q.build_query_as::<Row>().fetch(&self.pool).map(watched);
+            within(
+                self.read_deadline,
+                super::take_within_cut(&mut rows, max_bytes, |r: &Row| r.4.len(), decode),
+            )
+            .await
         })
-        .await?;
-        rows.into_iter().map(decode).collect()
+        .await
     }
 
     /// Runs an audit query that selects `activation_changes` rows.

@@ -14,7 +14,7 @@ use serde::Serialize;
 use sqlx::{Postgres, QueryBuilder, Sqlite};
 use uuid::Uuid;
 
-use super::{Backend, ChangeRow, Store, DEFAULT_TENANT};
+use super::{Backend, ChangeRow, Store, DEFAULT_TENANT, PAGE_BYTES};
 use crate::error::{quoted, Error, Result, Rule, ValidationError};
 use crate::event::{EventBody, StoredEvent, EVENT_TYPES};
 
@@ -502,14 +502,19 @@ impl Store {
     /// Runs an audit query that selects event rows, built by the closure
     /// of the store's backend (each is called once, PostgreSQL's twice when
     /// the first try met a broken connection).
+    /// The events an audit query selects, decoded until their payloads
+    /// reach `max_bytes` (true: the bytes stopped it, so more may follow):
+    /// a page of 1 000 events of 1 MiB each was built whole in memory, by
+    /// any holder of an audit token, before it was answered.
     async fn fetch_events(
         &self,
         sqlite: impl FnOnce() -> QueryBuilder<'static, Sqlite>,
         postgres: impl Fn() -> QueryBuilder<'static, Postgres>,
-    ) -> Result<Vec<StoredEvent>> {
+        max_bytes: usize,
+    ) -> Result<(Vec<StoredEvent>, bool)> {
         match &self.backend {
-            Backend::Sqlite(b) => b.fetch_events(sqlite()).await,
-            Backend::Postgres(b) => b.fetch_events(postgres).await,
+            Backend::Sqlite(b) => b.fetch_events(sqlite(), max_bytes).await,
+            Backend::Postgres(b) => b.fetch_events(postgres, max_bytes).await,
         }
     }
 
@@ -551,7 +556,7 @@ impl Store {
             }
         }
         let (events, more) = page_of(
-            self.fetch_events(|| events_sql("", q), || events_sql("", q))
+            self.fetch_events(|| events_sql("", q), || events_sql("", q), PAGE_BYTES)
                 .await?,
             q.scope.limit,
         );
@@ -608,7 +613,7 @@ impl Store {
                     .await?
             }
         };
-        let (changes, more) = page_of(changes, q.scope.limit);
+        let (changes, more) = page_of((changes, false), q.scope.limit);
         let next = more
             .then(|| changes.last().map(|c| format!("{}:{}", c.position, c.tool)))
             .flatten();
@@ -643,6 +648,7 @@ impl Store {
             .fetch_events(
                 || unanswered_sql("", &q.scope, after),
                 || unanswered_sql("", &q.scope, after),
+                PAGE_BYTES,
             )
             .await?;
         let (calls, more) = page_of(calls, q.scope.limit);
@@ -686,6 +692,7 @@ impl Store {
             self.fetch_events(
                 || named_results_sql("", &q.scope, after),
                 || named_results_sql("", &q.scope, after),
+                PAGE_BYTES,
             )
             .await?,
             NAME_SCAN,
@@ -696,8 +703,15 @@ impl Store {
         sessions.dedup();
         for chunk in sessions.chunks(500) {
             let defs = self
-                .fetch_events(|| catalogs_sql("", chunk), || catalogs_sql("", chunk))
-                .await?;
+                .fetch_events(
+                    || catalogs_sql("", chunk),
+                    || catalogs_sql("", chunk),
+                    // Every catalog of the sessions: a page cannot stop
+                    // among them (catalogs are few and a few names each).
+                    usize::MAX,
+                )
+                .await?
+                .0;
             for d in defs {
                 if let EventBody::CatalogDefined { deferred_tools, .. } = d.body {
                     catalogs
@@ -789,7 +803,7 @@ impl Store {
                     .await?
             }
         };
-        let (sessions, more) = page_of(sessions, q.scope.limit);
+        let (sessions, more) = page_of((sessions, false), q.scope.limit);
         let mut anomalies = Vec::new();
         for s in &sessions {
             if let Some(detail) = self.verify(*s).await? {
@@ -830,10 +844,11 @@ fn position_cursor(after: Option<&str>) -> Result<i64> {
 
 /// The page of a query that asked for one row more than `limit`, and
 /// whether there is more: a page that ends exactly at the last row says
-/// so, instead of a cursor to an empty page.
-fn page_of<T>(mut rows: Vec<T>, limit: i64) -> (Vec<T>, bool) {
+/// so, instead of a cursor to an empty page. Rows `cut` by their bytes
+/// ([`PAGE_BYTES`]) always say more (the next page may then be empty).
+fn page_of<T>((mut rows, cut): (Vec<T>, bool), limit: i64) -> (Vec<T>, bool) {
     let limit = usize::try_from(limit).unwrap_or(0);
-    let more = rows.len() > limit;
+    let more = cut || rows.len() > limit;
     rows.truncate(limit);
     (rows, more)
 }

@@ -279,16 +279,30 @@ pub(crate) async fn take_within<R, T>(
     payload_len: impl Fn(&R) -> usize,
     decode: impl Fn(R) -> Result<T>,
 ) -> Result<Vec<T>> {
+    Ok(take_within_cut(rows, max_bytes, payload_len, decode)
+        .await?
+        .0)
+}
+
+/// [`take_within`], also saying whether the bytes stopped it (true when
+/// the row that reached `max_bytes` was read, whether or not others
+/// followed): a page whose reader must say "more may follow".
+pub(crate) async fn take_within_cut<R, T>(
+    rows: &mut (impl tokio_stream::Stream<Item = std::result::Result<R, sqlx::Error>> + Unpin),
+    max_bytes: usize,
+    payload_len: impl Fn(&R) -> usize,
+    decode: impl Fn(R) -> Result<T>,
+) -> Result<(Vec<T>, bool)> {
     use tokio_stream::StreamExt;
     let mut page = Vec::new();
-    let mut bytes = 0;
+    let mut bytes = 0usize;
     while let Some(row) = rows.next().await {
         let row = row.map_err(Error::from_sqlx)?;
-        bytes += payload_len(&row);
+        bytes = bytes.saturating_add(payload_len(&row));
         page.push(decode(row)?);
         if bytes >= max_bytes {
-            break;
+            return Ok((page, true));
         }
     }
-    Ok(page)
+    Ok((page, false))
 }

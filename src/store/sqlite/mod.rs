@@ -456,17 +456,16 @@ impl SqliteBackend {
         super::take_within(&mut rows, max_bytes, |r: &Row| r.4.len(), decode).await
     }
 
-    /// Runs an audit query that selects event rows (src/store/query.rs).
+    /// Runs an audit query that selects event rows (src/store/query.rs),
+    /// decoding rows until their payloads reach `max_bytes` (true: the
+    /// bytes stopped it).
     pub(crate) async fn fetch_events(
         &self,
         mut q: QueryBuilder<'static, Sqlite>,
-    ) -> Result<Vec<StoredEvent>> {
-        let rows: Vec<Row> = q
-            .build_query_as()
-            .fetch_all(&self.pool)
-            .await
-            .map_err(Error::from_sqlx)?;
-        rows.into_iter().map(decode).collect()
+        max_bytes: usize,
+    ) -> Result<(Vec<StoredEvent>, bool)> {
+        let mut rows = q.build_query_as::<Row>().fetch(&self.pool);
+        super::take_within_cut(&mut rows, max_bytes, |r: &Row| r.4.len(), decode).await
     }
 
     /// Runs an audit query that selects `activation_changes` rows.
