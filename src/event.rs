@@ -655,15 +655,33 @@ pub(crate) fn line_json_error(e: &serde_json::Error) -> String {
 
 /// serde_json's error said for a person, after `prefix` ("malformed
 /// JSON"). Its recursion limit is no flaw of the text, so it is said as
-/// the store's limit, not as malformed JSON.
+/// the store's limit, not as malformed JSON. Its words for a `\u` escape
+/// of half a surrogate pair named neither the surrogate nor the pair (a
+/// high one alone was "unexpected end of hex escape", a low one alone a
+/// "lone leading surrogate").
 pub fn json_error_said(prefix: &str, e: &serde_json::Error) -> String {
     let said = e.to_string();
-    match said.strip_prefix("recursion limit exceeded") {
-        Some(at) => format!(
+    if let Some(at) = said.strip_prefix("recursion limit exceeded") {
+        return format!(
             "the JSON nests arrays and objects more than {MAX_JSON_DEPTH} levels deep, more than the store reads{at}"
-        ),
-        None => format!("{prefix}: {said}"),
+        );
     }
+    const SURROGATES: [(&str, &str); 2] = [
+        (
+            "unexpected end of hex escape",
+            "a \\u escape is cut short, or is a high surrogate (D800–DBFF) not followed by the \\u escape of its low half",
+        ),
+        (
+            "lone leading surrogate in hex escape",
+            "a \\u escape is half of a surrogate pair (D800–DFFF) without its other half, which is no character",
+        ),
+    ];
+    for (theirs, ours) in SURROGATES {
+        if let Some(at) = said.strip_prefix(theirs) {
+            return format!("{prefix}: {ours}{at}");
+        }
+    }
+    format!("{prefix}: {said}")
 }
 
 /// The longest line `import` and `append` read for a limit of
@@ -1140,6 +1158,28 @@ mod tests {
 
     fn line(rest: &str) -> String {
         format!(r#"{{"session_id":"{S}",{rest}}}"#)
+    }
+
+    #[test]
+    fn half_a_surrogate_pair_is_said_as_such() {
+        for (text, said) in [
+            (r#""a\ud800b""#, "high surrogate (D800–DBFF) not followed"),
+            (
+                r#""\udc00""#,
+                "half of a surrogate pair (D800–DFFF) without its other half",
+            ),
+        ] {
+            let e = parse(&line(&format!(
+                r#""type":"assistant_message","text":{text}"#
+            )))
+            .expect_err("half a pair is refused");
+            assert_eq!(e.rule, Rule::MalformedJson);
+            assert!(
+                e.message.contains(said) && e.message.contains(" at column "),
+                "{}",
+                e.message
+            );
+        }
     }
 
     #[test]

@@ -1643,7 +1643,7 @@ fn a_retry_that_respells_numbers_is_the_same_event() {
     let out = run(&url, &["import"], Some(&other));
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     assert!(
-        stderr(&out).contains("already stored with other content"),
+        stderr(&out).contains("of this session with other content"),
         "{}",
         stderr(&out)
     );

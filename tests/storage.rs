@@ -179,14 +179,24 @@ both_backends!(
             matches!(&err, Error::Invalid(v) if v.rule == Rule::PartlyStoredBatch),
             "{err:?}"
         );
-        // Partly stored: rejected, nothing written.
-        let mut partly = batch[1..].to_vec();
-        partly.push(prompt("new").with_id(Uuid::new_v4()));
+        // Partly stored: rejected, nothing written; said at the first
+        // stored event, with its seq.
+        let mut partly = vec![prompt("new").with_id(Uuid::new_v4())];
+        partly.extend(batch[1..].to_vec());
         let err = store.append(s, 4, partly).await.unwrap_err();
-        assert!(
-            matches!(&err, Error::Invalid(v) if v.rule == Rule::PartlyStoredBatch),
-            "{err:?}"
-        );
+        match &err {
+            Error::Invalid(v) => {
+                assert_eq!((v.rule, v.index), (Rule::PartlyStoredBatch, Some(1)));
+                assert!(
+                    v.message.starts_with(
+                        "2 of the batch's 3 events are already stored, this one first (as seq 2);"
+                    ),
+                    "{}",
+                    v.message
+                );
+            }
+            _ => panic!("{err:?}"),
+        }
         assert_eq!(store.head_seq(s).await.unwrap(), 4);
     }
 );
@@ -206,11 +216,15 @@ both_backends!(
             .append(s, 2, vec![prompt("two").with_id(id)])
             .await
             .unwrap_err();
+        // Said as this session's own event, with its seq (the writer can
+        // read it).
         assert!(
-            matches!(&err, Error::Invalid(v) if v.rule == Rule::EventIdReused),
+            matches!(&err, Error::Invalid(v) if v.rule == Rule::EventIdReused
+                && v.message.contains("already stored at seq 2 of this session with other content")),
             "{err:?}"
         );
-        // The same id in another session is other content too.
+        // The same id in another session is other content too, said
+        // without naming that session or its seq.
         let other = Uuid::new_v4();
         store.append(other, 0, vec![started()]).await.unwrap();
         let err = store
@@ -218,7 +232,8 @@ both_backends!(
             .await
             .unwrap_err();
         assert!(
-            matches!(&err, Error::Invalid(v) if v.rule == Rule::EventIdReused),
+            matches!(&err, Error::Invalid(v) if v.rule == Rule::EventIdReused
+                && v.message == format!("`event_id` {id} is already stored in another session")),
             "{err:?}"
         );
         // Twice in one batch.

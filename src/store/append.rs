@@ -101,8 +101,12 @@ async fn judge_and_write<T: LogTx>(
             let Some(prior) = e.event_id.and_then(|id| by_id.get(&id)) else {
                 continue;
             };
-            if prior.session_id != session_id || !prior.body.same_content(&e.body) {
+            if prior.session_id != session_id {
                 return Err(event_id_reused(prior.event_id).at_index(i).into());
+            }
+            if !prior.body.same_content(&e.body) {
+                let reused = super::event_id_reused_here(prior.event_id, prior.seq);
+                return Err(reused.at_index(i).into());
             }
         }
         let answer: Vec<Appended> = events
@@ -143,19 +147,27 @@ async fn judge_and_write<T: LogTx>(
                 replayed: true,
             });
         }
+        // Said at the first stored event (its index, so its line on the
+        // command line), with its seq: the writer knows where the stored
+        // part is, and that only the events not stored are to be sent.
+        let (first, first_seq) = events
+            .iter()
+            .enumerate()
+            .find_map(|(i, e)| Some((i, by_id.get(&e.event_id?)?.seq)))
+            .unwrap_or((0, 0));
         let message = if all_stored {
             "every event of the batch is already stored, but in another order".to_owned()
         } else {
             format!(
-                "{} of the batch's {} events {} already stored; retry exactly the batch that was sent, or only the new events",
+                "{} of the batch's {} events {} already stored, this one first (as seq {first_seq}); retry exactly the batch that was sent, or only the events not stored",
                 answer.len(),
                 events.len(),
-                if answer.len() == 1 { "is" } else { "are" }
+                if answer.len() == 1 { "is" } else { "are" },
             )
         };
-        return Err(
-            ValidationError::new(Rule::PartlyStoredBatch, Some("event_id"), message).into(),
-        );
+        let mut refused = ValidationError::new(Rule::PartlyStoredBatch, Some("event_id"), message);
+        refused.index = Some(first);
+        return Err(refused.into());
     }
 
     // 2. Expected seq.

@@ -1523,7 +1523,21 @@ pub fn event_id_reused(event_id: Uuid) -> ValidationError {
     ValidationError::new(
         Rule::EventIdReused,
         Some("event_id"),
-        format!("`event_id` {event_id} is already stored with other content or in another session"),
+        format!("`event_id` {event_id} is already stored in another session"),
+    )
+}
+
+/// [`event_id_reused`] for an id stored in the session appended to, at
+/// `seq`, with other content: said as such (the caller can read that
+/// session), so a writer knows it reused its own id rather than met
+/// another session's.
+pub(crate) fn event_id_reused_here(event_id: Uuid, seq: i64) -> ValidationError {
+    ValidationError::new(
+        Rule::EventIdReused,
+        Some("event_id"),
+        format!(
+            "`event_id` {event_id} is already stored at seq {seq} of this session with other content; give a new event a new id"
+        ),
     )
 }
 
