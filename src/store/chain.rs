@@ -78,7 +78,30 @@ pub(crate) async fn head_hash<T: LogTx>(
 
 /// Chains a session written before the chain existed: fills in every
 /// missing hash in seq order; returns the head's hash.
+///
+/// A session written before the chain has no hash at all (a session is
+/// chained in one transaction, and an append to a listed session chains
+/// it first). One listed with hashed rows was listed behind the store's
+/// back, the way to get an edited row re-hashed ("repaired") by the next
+/// open, even by the `verify --integrity` meant to catch it: it is taken
+/// off the list and nothing is filled in, so its rows without a hash stay
+/// `missing_hash` breaks (returns `""`: new rows chain to nothing, as
+/// after any missing hash).
 async fn chain_session<T: LogTx>(tx: &mut T, session_id: Uuid) -> Result<String> {
+    // First every row is looked at, then hashes are filled in: nothing is
+    // written for a session with a hashed row anywhere (a one-time cost
+    // of one more read of the sessions from before the chain).
+    let mut after = 0;
+    loop {
+        let page = tx.chained_page(session_id, after, PAGE).await?;
+        let Some(last) = page.last() else { break };
+        if let Some(hashed) = page.iter().find(|r| r.hash.is_some()) {
+            tracing::warn!(session = %session_id, seq = hashed.seq, "a session listed for its one-time chaining already has hashed rows (the list was edited behind the store's back): nothing is filled in, and verify --integrity reports its rows without a hash");
+            tx.backfill_done(session_id).await?;
+            return Ok(String::new());
+        }
+        after = last.seq;
+    }
     let mut prev = String::new();
     let mut after = 0;
     loop {
@@ -88,14 +111,9 @@ async fn chain_session<T: LogTx>(tx: &mut T, session_id: Uuid) -> Result<String>
         }
         for row in page {
             let event = row.event.map_err(Error::Corrupt)?;
-            prev = match row.hash {
-                Some(h) => h,
-                None => {
-                    let h = event_hash(&event, &prev);
-                    tx.set_hash(event.position, &h).await?;
-                    h
-                }
-            };
+            let h = event_hash(&event, &prev);
+            tx.set_hash(event.position, &h).await?;
+            prev = h;
             after = event.seq;
         }
     }

@@ -381,6 +381,15 @@ impl Store {
         async fn batch<T: LogTx>(mut tx: T) -> Result<usize> {
             let pending = tx.changes_backfill_pending(20).await?;
             for s in &pending {
+                // A listed session without events was listed behind the
+                // store's back: taken off the list (folding it failed
+                // every command's open, `verify` included, with "not
+                // found").
+                if tx.head_seq(*s).await? == 0 {
+                    tracing::warn!(session = %s, "a session listed for its activation changes has no events: taken off the list");
+                    tx.changes_backfill_done(*s).await?;
+                    continue;
+                }
                 rebuild_session(&mut tx, *s).await?;
             }
             tx.commit().await?;
