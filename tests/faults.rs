@@ -1672,3 +1672,48 @@ async fn postgres_a_begin_given_up_on_leaves_no_transaction_behind() {
     let fresh = Store::open(&server.url()).await.unwrap();
     assert_eq!(fresh.head_seq(session).await.unwrap(), 13);
 }
+
+both_backends!(
+    long_reads_leave_a_connection_for_the_short_ones,
+    |url: String| async move {
+        // Twelve reads as of a past seq, each holding its connection for
+        // 2 s (a fold of a long log): more than either pool has. A latest
+        // read of another session still gets a connection at once (it
+        // waited for a long read to end, then for the connect timeout).
+        let store = Arc::new(
+            Store::open_with(
+                &url,
+                StoreOptions {
+                    fault_pause_in_long_read: Some(Duration::from_secs(2)),
+                    ..StoreOptions::default()
+                },
+            )
+            .await
+            .unwrap(),
+        );
+        let (old, other) = (Uuid::new_v4(), Uuid::new_v4());
+        store
+            .append(old, 0, vec![started(), prompt("a")])
+            .await
+            .unwrap();
+        store
+            .append(other, 0, vec![started(), prompt("b")])
+            .await
+            .unwrap();
+        let long: Vec<_> = (0..12)
+            .map(|_| {
+                let store = store.clone();
+                tokio::spawn(async move { store.activations(old, Some(1)).await })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let started_at = Instant::now();
+        let context = store.context(other, None).await.unwrap();
+        let waited = started_at.elapsed();
+        assert_eq!(context.as_of_seq, 2);
+        assert!(waited < Duration::from_millis(1500), "waited {waited:?}");
+        for read in long {
+            read.await.unwrap().unwrap();
+        }
+    }
+);

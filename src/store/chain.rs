@@ -305,6 +305,7 @@ impl Store {
                 return Err(crate::error::Error::SessionNotFound(id));
             }
         }
+        let _long = self.long_read().await?;
         match &self.backend {
             Backend::Sqlite(b) => verify_in(b.begin_read().await?, session).await,
             Backend::Postgres(b) => verify_in(b.begin_read().await?, session).await,

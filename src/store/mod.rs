@@ -157,6 +157,10 @@ pub struct StoreOptions {
     /// written and before the transaction commits (holding the write lock).
     #[doc(hidden)]
     pub fault_pause_before_commit: Option<std::time::Duration>,
+    /// Fault injection for tests: sleep this long in a read of a state as
+    /// of a past seq, holding its connection (a long fold).
+    #[doc(hidden)]
+    pub fault_pause_in_long_read: Option<std::time::Duration>,
     /// Fault injection for tests: sleep this long after the commit and
     /// before the append returns (a reply that may be lost).
     #[doc(hidden)]
@@ -220,6 +224,7 @@ impl Default for StoreOptions {
             max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
             connect_timeout_secs: 5,
             fault_pause_before_commit: None,
+            fault_pause_in_long_read: None,
             fault_pause_after_commit: None,
             fault_lose_replies: None,
             write_deadline: None,
@@ -582,6 +587,13 @@ pub struct Store {
     /// SQLite: when this store's run of back-to-back [`Store::rebuild`]s
     /// started, and when the last one ended ([`rebuild::REBUILD_RUN`]).
     rebuilds: Mutex<Option<(std::time::Instant, std::time::Instant)>>,
+    /// Reads that may hold a pooled connection for as long as a fold of a
+    /// whole log takes (a state as of a past seq, `verify`): one fewer
+    /// than the pool has, so one is always left for the short reads. Twelve
+    /// `activations?at_seq` of a session of 10^6 events (7 s each) held
+    /// all four of SQLite's, and another tenant's latest context waited
+    /// 15 s for one and answered 503.
+    long_reads: tokio::sync::Semaphore,
 }
 
 impl std::fmt::Debug for Store {
@@ -625,7 +637,14 @@ impl Store {
                 Backend::Sqlite(sqlite::SqliteBackend::connect(url, &options).await?)
             }
         };
+        let long_reads = match &backend {
+            Backend::Postgres(_) => postgres::MAX_CONNECTIONS,
+            Backend::Sqlite(_) => sqlite::MAX_CONNECTIONS,
+        }
+        .saturating_sub(1)
+        .max(1) as usize;
         let store = Store {
+            long_reads: tokio::sync::Semaphore::new(long_reads),
             backend,
             states: StateCache::new(options.state_cache_bytes),
             rowless: StateCache::new(options.state_cache_bytes),
@@ -1193,16 +1212,40 @@ impl Store {
             true => self.cached_state(session_id),
             false => self.states.peek(session_id, SessionState::without_rows),
         };
+        // A state as of a past seq may fold the log from its start.
+        let _long = match at {
+            Some(_) => Some(self.long_read().await?),
+            None => None,
+        };
+        let pause = self
+            .options
+            .fault_pause_in_long_read
+            .filter(|_| at.is_some());
         match &self.backend {
             Backend::Sqlite(b) => {
                 let tx = b.begin_read().await?;
+                if let Some(p) = pause {
+                    tokio::time::sleep(p).await;
+                }
                 read_state(tx, cached, session_id, at, from_view, rows).await
             }
             Backend::Postgres(b) => {
                 let tx = b.begin_read().await?;
+                if let Some(p) = pause {
+                    tokio::time::sleep(p).await;
+                }
                 read_state(tx, cached, session_id, at, from_view, rows).await
             }
         }
+    }
+
+    /// A turn among the reads that may hold a connection for a whole fold
+    /// ([`Store::long_reads`](Store)).
+    pub(crate) async fn long_read(&self) -> Result<tokio::sync::SemaphorePermit<'_>> {
+        self.long_reads
+            .acquire()
+            .await
+            .map_err(|_| Error::Unavailable("the store is closed".to_owned()))
     }
 
     /// The session's view and, in one statement (each is a hop to the

@@ -29,6 +29,7 @@ impl Store {
     /// difference too, said as one (`verify`'s exit 5), not as the storage
     /// failing.
     pub async fn verify(&self, session_id: Uuid) -> Result<Option<String>> {
+        let _long = self.long_read().await?;
         let verified = match &self.backend {
             Backend::Sqlite(b) => verify_in(b.begin_read().await?, session_id).await,
             Backend::Postgres(b) => verify_in(b.begin_read().await?, session_id).await,

@@ -89,14 +89,20 @@ pub(crate) fn change_rows(
         change: change.to_owned(),
         evidence_seq,
     };
+    // Sets of names, not a scan of one list per name of the other: a
+    // catalog of 40 000 names, all activated, made each prompt compare
+    // 1.6 × 10^9 names under the write lock (10 s an event, every other
+    // session's appends waiting).
+    let before_names: HashSet<&str> = before.iter().map(|b| b.name.as_str()).collect();
+    let after_names: HashSet<&str> = after.iter().map(|a| a.name.as_str()).collect();
     let mut rows: Vec<ChangeRow> = after
         .iter()
-        .filter(|a| !before.iter().any(|b| b.name == a.name))
+        .filter(|a| !before_names.contains(a.name.as_str()))
         .map(|a| row(a, "added", Some(a.evidence_seq)))
         .chain(
             before
                 .iter()
-                .filter(|b| !after.iter().any(|a| a.name == b.name))
+                .filter(|b| !after_names.contains(b.name.as_str()))
                 .map(|b| row(b, "removed", None)),
         )
         .collect();

@@ -34,7 +34,7 @@ static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
 mod open;
 
 use open::*;
-pub(crate) use open::{connect_options, pool_options};
+pub(crate) use open::{connect_options, pool_options, MAX_CONNECTIONS};
 
 /// Rows per INSERT statement: 7 parameters each, well under SQLite's limit.
 const INSERT_CHUNK: usize = 500;
