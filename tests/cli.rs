@@ -878,6 +878,8 @@ fn history_refuses_a_negative_after_seq() {
     // taken for a flag, with clap's advice to write `-- -1`).
     for args in [
         vec!["history", S, "--after-seq", "-1"],
+        vec!["history", S, "--limit", "-1"],
+        vec!["audit", "events", "--limit", "-1"],
         vec!["append", S, "--expected-seq", "-1"],
     ] {
         let out = run(&db.url, &args, Some(started));

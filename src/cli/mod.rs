@@ -243,7 +243,7 @@ pub enum Command {
         #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = clap::value_parser!(i64).range(0..))]
         after_seq: i64,
         /// Print at most this many events (all of them without it).
-        #[arg(long, value_parser = clap::value_parser!(i64).range(1..))]
+        #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(i64).range(1..))]
         limit: Option<i64>,
         /// Print JSON lines, one stored event each.
         #[arg(long)]
@@ -311,7 +311,7 @@ pub struct ScopeArgs {
     #[arg(long, value_parser = parse_time)]
     pub until: Option<chrono::DateTime<chrono::Utc>>,
     /// Rows per page (1 to 1000).
-    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..=crate::store::query::MAX_PAGE))]
+    #[arg(long, default_value_t = 100, allow_negative_numbers = true, value_parser = clap::value_parser!(i64).range(1..=crate::store::query::MAX_PAGE))]
     pub limit: i64,
     /// The cursor a previous page printed as `next`.
     #[arg(long, allow_hyphen_values = true)]
