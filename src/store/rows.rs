@@ -89,20 +89,32 @@ pub(crate) fn change_rows(
         change: change.to_owned(),
         evidence_seq,
     };
-    // Sets of names, not a scan of one list per name of the other: a
-    // catalog of 40 000 names, all activated, made each prompt compare
-    // 1.6 × 10^9 names under the write lock (10 s an event, every other
-    // session's appends waiting).
-    let before_names: HashSet<&str> = before.iter().map(|b| b.name.as_str()).collect();
-    let after_names: HashSet<&str> = after.iter().map(|a| a.name.as_str()).collect();
+    // Sets of names for large lists, not a scan of one list per name of
+    // the other: a catalog of 40 000 names, all activated, made each
+    // prompt compare 1.6 × 10^9 names under the write lock (10 s an
+    // event, every other session's appends waiting). Small lists (an
+    // agent's handful of deferred tools, at every prompt) keep the scan,
+    // which allocates nothing.
+    let large = before.len().saturating_mul(after.len()) > 256;
+    fn names(list: &[Activation], large: bool) -> HashSet<&str> {
+        match large {
+            true => list.iter().map(|a| a.name.as_str()).collect(),
+            false => HashSet::new(),
+        }
+    }
+    let (before_names, after_names) = (names(before, large), names(after, large));
+    let holds = |list: &[Activation], set: &HashSet<&str>, name: &str| match large {
+        true => set.contains(name),
+        false => list.iter().any(|a| a.name == name),
+    };
     let mut rows: Vec<ChangeRow> = after
         .iter()
-        .filter(|a| !before_names.contains(a.name.as_str()))
+        .filter(|a| !holds(before, &before_names, &a.name))
         .map(|a| row(a, "added", Some(a.evidence_seq)))
         .chain(
             before
                 .iter()
-                .filter(|b| !after_names.contains(b.name.as_str()))
+                .filter(|b| !holds(after, &after_names, &b.name))
                 .map(|b| row(b, "removed", None)),
         )
         .collect();
@@ -220,4 +232,54 @@ impl ViewRow {
 struct ActiveJson {
     name: String,
     evidence_seq: i64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(names: impl Iterator<Item = usize>) -> Vec<Activation> {
+        names
+            .map(|i| Activation {
+                name: format!("t{i:05}"),
+                evidence_seq: i as i64,
+            })
+            .collect()
+    }
+
+    /// The scan (small sets) and the lookups (large ones) give the same
+    /// rows: the names only after added, only before removed, in name
+    /// order.
+    #[test]
+    fn changes_are_the_same_for_small_and_large_sets() {
+        let at = ChangeAt {
+            session_id: Uuid::nil(),
+            seq: 9,
+            position: 9,
+            recorded_at: Utc::now(),
+        };
+        for n in [4, 40, 4_000] {
+            let before = set((0..n).rev());
+            let after = set(n / 2..n + n / 2);
+            let rows = change_rows(&at, &before, &after);
+            let added: Vec<&str> = rows
+                .iter()
+                .filter(|r| r.change == "added")
+                .map(|r| r.tool.as_str())
+                .collect();
+            let removed: Vec<&str> = rows
+                .iter()
+                .filter(|r| r.change == "removed")
+                .map(|r| r.tool.as_str())
+                .collect();
+            let want_added: Vec<String> = (n..n + n / 2).map(|i| format!("t{i:05}")).collect();
+            let want_removed: Vec<String> = (0..n / 2).map(|i| format!("t{i:05}")).collect();
+            assert_eq!(added, want_added, "n = {n}");
+            assert_eq!(removed, want_removed, "n = {n}");
+            assert!(rows.windows(2).all(|w| w[0].tool < w[1].tool), "n = {n}");
+            assert!(rows
+                .iter()
+                .all(|r| (r.change == "added") == r.evidence_seq.is_some()));
+        }
+    }
 }
