@@ -501,11 +501,10 @@ where
 impl Store {
     /// Runs an audit query that selects event rows, built by the closure
     /// of the store's backend (each is called once, PostgreSQL's twice when
-    /// the first try met a broken connection).
-    /// The events an audit query selects, decoded until their payloads
-    /// reach `max_bytes` (true: the bytes stopped it, so more may follow):
-    /// a page of 1 000 events of 1 MiB each was built whole in memory, by
-    /// any holder of an audit token, before it was answered.
+    /// the first try met a broken connection), decoding rows until their
+    /// payloads reach `max_bytes` (true: the bytes stopped it, so more may
+    /// follow): a page of 1 000 events of 1 MiB each was built whole in
+    /// memory, by any holder of an audit token, before it was answered.
     async fn fetch_events(
         &self,
         sqlite: impl FnOnce() -> QueryBuilder<'static, Sqlite>,
@@ -707,7 +706,8 @@ impl Store {
                     || catalogs_sql("", chunk),
                     || catalogs_sql("", chunk),
                     // Every catalog of the sessions: a page cannot stop
-                    // among them (catalogs are few and a few names each).
+                    // among them. Not bounded (docs/audit.md): agents have
+                    // a few catalogs of tens of names.
                     usize::MAX,
                 )
                 .await?
