@@ -964,7 +964,7 @@ fn body_error(e: BytesRejection, limit: usize) -> ApiError {
         (status = 404, description = "Another tenant's session", body = ErrorBody),
         (status = 409, description = "`expected_seq` is stale; `current_seq` says where the session is", body = ErrorBody),
         (status = 413, description = "The body is over the size limit", body = ErrorBody),
-        (status = 415, description = "Not `application/json`", body = ErrorBody),
+        (status = 415, description = "Not `application/json`, or sent with a `Content-Encoding` other than `identity` (none is decoded)", body = ErrorBody),
         (status = 422, description = "Breaks a SEMANTICS §4 rule: `rule`, `field`, `index`", body = ErrorBody),
         (status = 503, description = "The database is unavailable (nothing stored), the commit got no answer (`outcome_unknown`: it may or may not be stored; send it again with the same event ids), the request timed out (`timeout`: it may still commit), or the answers held for clients fill --response-memory (`busy`)", body = ErrorBody),
     ),
