@@ -631,5 +631,26 @@ both_backends!(
             (seqs(&v), &v["next_after_position"]),
             (vec![7, 8], &Value::Null)
         );
+
+        // PostgreSQL: the server itself stops there. The page's statement,
+        // executed under `EXPLAIN ANALYZE`, returned the page's six rows,
+        // not the eight its `LIMIT` allows (sqlx reads a result to its end:
+        // the rows the client did not keep still came over the wire).
+        if url.starts_with("postgres") {
+            use session_store::store::query::{EventQuery, PlanOf, Scope};
+            let store = Store::open(&url).await.expect("open store");
+            let q = EventQuery {
+                scope: Scope {
+                    session: Some(id),
+                    limit: 1000,
+                    ..Scope::default()
+                },
+                ..EventQuery::default()
+            };
+            let plan = store.audit_plan(PlanOf::Events(&q)).await.unwrap();
+            let top = plan.lines().next().unwrap_or_default();
+            assert!(top.contains(" rows=6 loops=1)"), "{plan}");
+            store.close().await;
+        }
     }
 );

@@ -942,7 +942,8 @@ impl PgBackend {
 
     /// Runs an audit query that selects event rows (src/store/query.rs),
     /// decoding rows until their payloads reach `max_bytes` (true: the
-    /// bytes stopped it). The rows after are read off the connection and
+    /// bytes stopped it). The query stops there itself (query.rs's
+    /// `pg_within`); any rows after would be read off the connection and
     /// dropped one by one, not held.
     pub(crate) async fn fetch_events(
         &self,

@@ -468,6 +468,35 @@ where
     b
 }
 
+/// A PostgreSQL audit page of events that the server itself stops after
+/// the row whose payload brings it to `max_bytes` (as the history pages'
+/// statement does, src/store/postgres.rs): the client stops decoding
+/// there, but sqlx reads a result to its end before the connection's next
+/// statement, so a page of 1 000 events of 1 MiB moved 1 GB from the
+/// server, on a pooled connection, after the answer. The query `build`
+/// makes (with the prefix it is given) is wrapped whole: its own order and
+/// `LIMIT` pick the rows, and the running sum follows `position`, which is
+/// that order (within one session seq order is position order). An
+/// unbounded read (`usize::MAX`) is the query as built.
+fn pg_within(
+    prefix: &str,
+    build: impl Fn(&str) -> QueryBuilder<'static, Postgres>,
+    max_bytes: usize,
+) -> QueryBuilder<'static, Postgres> {
+    if max_bytes == usize::MAX {
+        return build(prefix);
+    }
+    let mut b = build(&format!(
+        "{prefix}SELECT position, session_id, seq, event_id, payload, recorded_at FROM (\
+           SELECT q.*, SUM(octet_length(q.payload)) OVER (ORDER BY q.position ROWS UNBOUNDED PRECEDING) \
+                  - octet_length(q.payload) AS before FROM ("
+    ));
+    b.push(") q) p WHERE p.before < GREATEST(");
+    b.push_bind(i64::try_from(max_bytes).unwrap_or(i64::MAX));
+    b.push(", 1) ORDER BY p.position");
+    b
+}
+
 /// Session ids after a cursor, in id order, with the scope's tenant.
 fn sessions_sql<'a, DB: Dialect>(
     prefix: &str,
@@ -507,13 +536,16 @@ impl Store {
     /// memory, by any holder of an audit token, before it was answered.
     async fn fetch_events(
         &self,
-        sqlite: impl FnOnce() -> QueryBuilder<'static, Sqlite>,
-        postgres: impl Fn() -> QueryBuilder<'static, Postgres>,
+        sqlite: impl FnOnce(&str) -> QueryBuilder<'static, Sqlite>,
+        postgres: impl Fn(&str) -> QueryBuilder<'static, Postgres>,
         max_bytes: usize,
     ) -> Result<(Vec<StoredEvent>, bool)> {
         match &self.backend {
-            Backend::Sqlite(b) => b.fetch_events(sqlite(), max_bytes).await,
-            Backend::Postgres(b) => b.fetch_events(postgres, max_bytes).await,
+            Backend::Sqlite(b) => b.fetch_events(sqlite(""), max_bytes).await,
+            Backend::Postgres(b) => {
+                b.fetch_events(|| pg_within("", &postgres, max_bytes), max_bytes)
+                    .await
+            }
         }
     }
 
@@ -555,7 +587,7 @@ impl Store {
             }
         }
         let (events, more) = page_of(
-            self.fetch_events(|| events_sql("", q), || events_sql("", q), PAGE_BYTES)
+            self.fetch_events(|p| events_sql(p, q), |p| events_sql(p, q), PAGE_BYTES)
                 .await?,
             q.scope.limit,
         );
@@ -645,8 +677,8 @@ impl Store {
         let after = position_cursor(q.after.as_deref())?;
         let calls = self
             .fetch_events(
-                || unanswered_sql("", &q.scope, after),
-                || unanswered_sql("", &q.scope, after),
+                |p| unanswered_sql(p, &q.scope, after),
+                |p| unanswered_sql(p, &q.scope, after),
                 PAGE_BYTES,
             )
             .await?;
@@ -689,8 +721,8 @@ impl Store {
         let mut anomalies = Vec::new();
         let (results, more) = page_of(
             self.fetch_events(
-                || named_results_sql("", &q.scope, after),
-                || named_results_sql("", &q.scope, after),
+                |p| named_results_sql(p, &q.scope, after),
+                |p| named_results_sql(p, &q.scope, after),
                 PAGE_BYTES,
             )
             .await?,
@@ -703,8 +735,8 @@ impl Store {
         for chunk in sessions.chunks(500) {
             let defs = self
                 .fetch_events(
-                    || catalogs_sql("", chunk),
-                    || catalogs_sql("", chunk),
+                    |p| catalogs_sql(p, chunk),
+                    |p| catalogs_sql(p, chunk),
                     // Every catalog of the sessions: a page cannot stop
                     // among them. Not bounded (docs/audit.md): agents have
                     // a few catalogs of tens of names.
@@ -892,7 +924,14 @@ impl Store {
         let lines = match &self.backend {
             Backend::Sqlite(b) => b.fetch_plan(build("EXPLAIN QUERY PLAN ", &of)).await?,
             Backend::Postgres(b) => {
-                b.fetch_plan(|| build("EXPLAIN (ANALYZE, BUFFERS) ", &of))
+                // The statements the pages run: bounded by the server.
+                let bytes = match of {
+                    PlanOf::Events(_) | PlanOf::UnansweredCalls(_) | PlanOf::NamedResults(_) => {
+                        PAGE_BYTES
+                    }
+                    _ => usize::MAX,
+                };
+                b.fetch_plan(|| pg_within("EXPLAIN (ANALYZE, BUFFERS) ", |p| build(p, &of), bytes))
                     .await?
             }
         };
