@@ -13,6 +13,15 @@ use serde_json::Value;
 /// The longest tool name, in bytes of UTF-8 (§3).
 pub const MAX_TOOL_NAME_BYTES: usize = 256;
 
+/// The longest `call_id` a `tool_call` may introduce, in bytes of UTF-8.
+/// §3 asks only for a non-empty string; the store keys its calls index by
+/// it, and a PostgreSQL index entry holds at most 2 704 bytes: a call id of
+/// about 2.7 KB failed its group's commit there ("index row size exceeds
+/// btree maximum"), and every other append of that group with it, while
+/// SQLite took it. Refused on both backends alike, alone, with the field
+/// named; agents' call ids are tens of bytes.
+pub const MAX_CALL_ID_BYTES: usize = 1024;
+
 /// The default limit on one event's JSON text (§4).
 pub const DEFAULT_MAX_EVENT_BYTES: usize = 1024 * 1024;
 
@@ -154,6 +163,23 @@ fn check_tree(mut stack: Vec<(&str, &Value, usize)>) -> Result<(), ValidationErr
     Ok(())
 }
 
+/// [`MAX_CALL_ID_BYTES`], judged where a call id is introduced (a
+/// `tool_call`): a result names a stored call, and one longer than the
+/// limit answers no call stored since.
+fn check_call_id_len(call_id: &str) -> Result<(), ValidationError> {
+    if call_id.len() <= MAX_CALL_ID_BYTES {
+        return Ok(());
+    }
+    Err(ValidationError::new(
+        Rule::MistypedField,
+        Some("call_id"),
+        format!(
+            "`call_id` is {} bytes long, over the limit of {MAX_CALL_ID_BYTES} (the store keys its calls index by it)",
+            call_id.len()
+        ),
+    ))
+}
+
 /// Refuses U+0000 in the strings the store keeps outside the payload's
 /// JSON text, which §3 allows: `mode` (the view), `call_id` (the calls
 /// index) and `summary` (the view). PostgreSQL cannot store U+0000 in a
@@ -231,6 +257,7 @@ pub fn check_shape(body: &EventBody) -> Result<(), ValidationError> {
             call_id, tool_name, ..
         } => {
             check_non_empty(call_id, "call_id")?;
+            check_call_id_len(call_id)?;
             check_tool_name(tool_name, "tool_name")
         }
         EventBody::ToolResult {
@@ -629,6 +656,25 @@ mod tests {
         assert_eq!(
             rejects(&base(), call("c9", &"é".repeat(129))).0,
             Rule::BadToolName
+        );
+    }
+
+    #[test]
+    fn call_ids_are_at_most_1024_bytes_where_a_call_introduces_them() {
+        accepts(&base(), call(&"é".repeat(MAX_CALL_ID_BYTES / 2), "Read"));
+        assert_eq!(
+            rejects(&base(), call(&"x".repeat(MAX_CALL_ID_BYTES + 1), "Read")),
+            (Rule::MistypedField, field("call_id"))
+        );
+        // A result names a call: one longer than any call the store took
+        // since is a result without a call, as any unknown id.
+        assert_eq!(
+            rejects(
+                &base(),
+                result(&"x".repeat(MAX_CALL_ID_BYTES + 1), "Read", Success, &[])
+            )
+            .0,
+            Rule::ResultWithoutCall
         );
     }
 

@@ -889,7 +889,32 @@ fn history_refuses_a_negative_after_seq() {
             "{args:?}: {}",
             stderr(&out)
         );
+        // Said as the bound it breaks, not as clap's range up to i64::MAX.
+        let said = if args[0] == "audit" {
+            "1..=1000"
+        } else {
+            "-1 is below"
+        };
+        assert!(stderr(&out).contains(said), "{args:?}: {}", stderr(&out));
+        assert!(
+            !stderr(&out).contains("9223372036854775807"),
+            "{}",
+            stderr(&out)
+        );
     }
+    let out = run(
+        &db.url,
+        &["history", S, "--limit", "99999999999999999999"],
+        None,
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("too large"), "{}", stderr(&out));
+    let out = run(&db.url, &["history", S, "--limit", "ten"], None);
+    assert!(
+        stderr(&out).contains("\"ten\" is not a whole number"),
+        "{}",
+        stderr(&out)
+    );
     let out = run(&db.url, &["history", S, "--after-seq=0", "--json"], None);
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(stdout(&out).lines().count(), 1);
@@ -1237,6 +1262,25 @@ fn a_path_that_holds_no_session_store_is_refused_and_left_alone() {
         inspect(&app, None),
         ("users".to_owned(), "delete".to_owned())
     );
+    // Another program's table of the store's own name, without the
+    // migrator's table: not a store either (the first migration made
+    // `_sqlx_migrations` in the file, then failed on `events`, exit 4).
+    let named = path("named.db");
+    assert_eq!(
+        inspect(&named, Some("create table events(x text)")),
+        ("events".to_owned(), "delete".to_owned())
+    );
+    let before = std::fs::read(&named).unwrap();
+    for args in [vec!["context", session], vec!["import"], vec!["migrate"]] {
+        let out = run(&named, &args, Some(&base_log()));
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains("is a SQLite database of something else (tables: events)"),
+            "{args:?}: {}",
+            stderr(&out)
+        );
+    }
+    assert_eq!(std::fs::read(&named).unwrap(), before, "named.db changed");
     // A file that is not SQLite at all.
     let text = path("notes.db");
     std::fs::write(&text, "hello\n".repeat(200)).unwrap();

@@ -288,6 +288,25 @@ fn serve_refuses_a_public_address_without_tokens() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("SESSION_STORE_TOKENS_FILE"), "{err}");
     assert!(err.contains("empty"), "{err}");
+
+    // So is the document's variable set to nothing (or blanks): taken as
+    // unset, it served without authentication.
+    for empty in ["", "  \n"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_session-store"))
+            .arg("--database")
+            .arg(&db)
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .env("SESSION_STORE_TOKENS", empty)
+            .env_remove("SESSION_STORE_TOKENS_FILE")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{empty:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("SESSION_STORE_TOKENS is set but empty"),
+            "{err}"
+        );
+    }
 }
 
 /// `serve` of the SQLite store `db` with `args` and no tokens (killed when

@@ -790,6 +790,49 @@ fn a_file_on_standard_input_imports_as_the_named_file_does() {
     }
 }
 
+/// A line longer than a pi file's lines may be (64 MiB with the default
+/// limit) is refused at its number without being held whole: `/dev/zero`
+/// as the input grew until the allocator aborted the process. The writer
+/// stops at the first write the importer no longer reads.
+#[test]
+fn a_line_past_the_limit_is_refused_unread() {
+    use std::io::Write;
+    let db = common::sqlite_db();
+    let mut child = Command::new(BIN)
+        .arg("--database")
+        .arg(&db.url)
+        .args(["import", "--format", "pi"])
+        .env_remove("DATABASE_URL")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let writer = std::thread::spawn(move || {
+        let header = format!(
+            "{}\n",
+            json!({"type": "session", "version": 3, "id": "s1", "timestamp": "2026-01-01T00:00:00Z", "cwd": "/"})
+        );
+        stdin.write_all(header.as_bytes())?;
+        let chunk = vec![b'x'; 1 << 20];
+        // 200 MiB at most: far past the limit, short of a test's patience.
+        for _ in 0..200 {
+            stdin.write_all(&chunk)?;
+        }
+        Ok::<(), std::io::Error>(())
+    });
+    let out = child.wait_with_output().unwrap();
+    let _ = writer.join().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("line 2") && stderr(&out).contains("over 67108864 bytes"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(feed(&db.url), "", "nothing stored");
+}
+
 /// Errors are said in the order a reader of the whole file would meet
 /// them, as when the file was read whole (before it was read in passes):
 /// a line that is not UTF-8 anywhere, then the first bad entry, then what

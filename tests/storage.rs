@@ -334,6 +334,56 @@ both_backends!(imported_recorded_at_is_kept, |url: String| async move {
     );
 });
 
+both_backends!(
+    call_ids_are_kept_to_what_both_backends_index,
+    |url: String| async move {
+        // The longest call id the store takes, of bytes no compression
+        // shrinks, commits on both backends (a PostgreSQL index entry holds
+        // at most 2 704 bytes; 2.7 KB failed the commit), and its result
+        // answers it. One byte more is refused alike, alone, the session
+        // unchanged.
+        let max = session_store::validate::MAX_CALL_ID_BYTES;
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let id: String = (0..max)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                char::from(b'!' + (x % 94) as u8)
+            })
+            .collect();
+        assert_eq!(id.len(), max);
+        let store = Store::open(&url).await.unwrap();
+        let s = Uuid::new_v4();
+        store.append(s, 0, vec![started()]).await.unwrap();
+        store.append(s, 1, vec![call(&id, "Read")]).await.unwrap();
+        let other = Uuid::new_v4();
+        store.append(other, 0, vec![started()]).await.unwrap();
+        let longer = format!("{id}!");
+        let err = store
+            .append(other, 1, vec![call(&longer, "Read")])
+            .await
+            .unwrap_err();
+        match &err {
+            Error::Invalid(v) => {
+                assert_eq!(
+                    (v.rule, v.field.as_deref()),
+                    (Rule::MistypedField, Some("call_id"))
+                );
+                assert!(v.message.contains("1025 bytes"), "{}", v.message);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(store.head_seq(other).await.unwrap(), 1);
+        store
+            .append(s, 2, vec![result(&id, "Read", ToolStatus::Success, &[])])
+            .await
+            .unwrap();
+        assert_eq!(store.head_seq(s).await.unwrap(), 3);
+        store.close().await;
+    }
+);
+
 both_backends!(oversized_events_are_rejected, |url: String| async move {
     let opts = session_store::StoreOptions {
         max_event_bytes: 200,
@@ -1686,6 +1736,37 @@ async fn postgres_a_read_of_a_database_without_a_store_changes_nothing() {
     let reader = Store::open_with(&db.url, read_only()).await.unwrap();
     assert_eq!(reader.head_seq(Uuid::new_v4()).await.unwrap(), 0);
     reader.close().await;
+}
+
+/// A database without the migrator's table but with a table of the
+/// store's name is another application's: no command, not even one that
+/// may create the store, migrates it (the first migration made
+/// `_sqlx_migrations` beside it and then failed on `events`, exit 4).
+#[tokio::test]
+async fn postgres_a_foreign_table_of_the_stores_name_is_not_migrated_over() {
+    let Some(db) = common::postgres_db() else {
+        return;
+    };
+    let pool = sqlx::PgPool::connect(&db.url).await.unwrap();
+    sqlx::query("CREATE TABLE events (x TEXT)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    match Store::open(&db.url).await {
+        Err(Error::NotAStore(m)) => assert!(
+            m.contains("is not a session store") && m.contains("holds events"),
+            "{m}"
+        ),
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+    let tables: Vec<String> = sqlx::query_scalar(
+        "SELECT tablename::text FROM pg_tables WHERE schemaname = current_schema() ORDER BY 1",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(tables, ["events"]);
+    pool.close().await;
 }
 
 both_backends!(

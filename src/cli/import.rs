@@ -49,6 +49,14 @@ fn is_blank(line: &[u8]) -> bool {
         .all(|b| matches!(b, b' ' | b'\t' | b'\r' | b'\n'))
 }
 
+/// The longest line of a pi session file `import --format pi` reads: an
+/// entry may carry more than the events made of it (a tool result's
+/// `details`, of which only `addedToolNames` is kept), so more than a JSON
+/// line's [`crate::event::line_limit`], but not without end.
+pub fn pi_line_limit(max_event_bytes: usize) -> usize {
+    crate::event::line_limit(max_event_bytes).max(64 << 20)
+}
+
 /// A pi session file copied to a temporary file without a name (in
 /// `TMPDIR`; the system frees it when the process ends, however it ends),
 /// so that the import can read it more than once (its tree, then its path,
@@ -67,9 +75,11 @@ impl std::fmt::Debug for PiSpool {
 
 impl PiSpool {
     /// Copies `input` whole, line by line, checking that each line is
-    /// UTF-8 text: a file that is not is refused before any of it is read
-    /// as pi entries.
-    pub fn copy(mut input: Box<dyn BufRead + Send>) -> Result<PiSpool, CliError> {
+    /// UTF-8 text of at most `limit` bytes (`pi_line_limit`): a file
+    /// that is not is refused before any of it is read as pi entries, and
+    /// a line is never held past the limit (`/dev/zero` as the input grew
+    /// until the allocator aborted the process).
+    pub fn copy(mut input: Box<dyn BufRead + Send>, limit: usize) -> Result<PiSpool, CliError> {
         let tmp_error = |e: std::io::Error| {
             CliError::Io(format!(
                 "cannot copy the pi session file to a temporary file in {}: {e}",
@@ -81,11 +91,26 @@ impl PiSpool {
         let mut line = Vec::new();
         for n in 1.. {
             line.clear();
-            let read = input
+            let cap = (limit as u64).saturating_add(1);
+            let read = <&mut Box<dyn BufRead + Send> as std::io::Read>::take(&mut input, cap)
                 .read_until(b'\n', &mut line)
                 .map_err(|e| CliError::Io(format!("cannot read line {n} of the input: {e}")))?;
             if read == 0 {
                 break;
+            }
+            let text_len = line.len() - usize::from(line.last() == Some(&b'\n'));
+            if text_len > limit {
+                return Err(CliError::Line {
+                    line: n,
+                    error: ValidationError::new(
+                        Rule::TooLarge,
+                        None,
+                        format!(
+                            "the line is over {limit} bytes, the most a line of a pi session file may hold (64 MiB, or six times --max-event-bytes and {} KiB when that is more)",
+                            crate::event::LINE_ENVELOPE_BYTES / 1024
+                        ),
+                    ),
+                });
             }
             if std::str::from_utf8(&line).is_err() {
                 return Err(CliError::Io(format!(

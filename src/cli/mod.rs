@@ -99,7 +99,7 @@ pub enum Command {
         /// The session's UUID.
         session: String,
         /// The seq the writer last saw (0 for a new session).
-        #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(i64).range(0..))]
+        #[arg(long, allow_negative_numbers = true, value_parser = parse_at_least_0)]
         expected_seq: i64,
         /// The JSON-lines file; standard input without it or with `-`.
         file: Option<PathBuf>,
@@ -209,7 +209,7 @@ pub enum Command {
     Tail {
         /// Start at this position (1, the beginning, by default; 0 is the
         /// beginning too, a negative one a usage error).
-        #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = clap::value_parser!(i64).range(0..))]
+        #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = parse_at_least_0)]
         from_position: i64,
         /// Keep waiting for new events (stop with Ctrl-C).
         #[arg(long)]
@@ -240,10 +240,10 @@ pub enum Command {
         session: String,
         /// Start after this seq (0: from the first event; a negative one
         /// is refused: exit 2 here, 422 over HTTP).
-        #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = clap::value_parser!(i64).range(0..))]
+        #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = parse_at_least_0)]
         after_seq: i64,
         /// Print at most this many events (all of them without it).
-        #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(i64).range(1..))]
+        #[arg(long, allow_negative_numbers = true, value_parser = parse_at_least_1)]
         limit: Option<i64>,
         /// Print JSON lines, one stored event each.
         #[arg(long)]
@@ -597,6 +597,27 @@ fn at_answer<T>(at: Option<&AtSeq>, r: Result<T, Error>) -> Result<T, CliError> 
     }
 }
 
+/// A whole number of at least `min`, said as such ("-1 is below 0"), not
+/// as clap's range ("-1 is not in 0..9223372036854775807").
+fn parse_at_least(s: &str, min: i64) -> Result<i64, String> {
+    match s.parse::<i64>() {
+        Ok(n) if n >= min => Ok(n),
+        Ok(n) => Err(format!(
+            "{n} is below {min}: give a whole number of at least {min}"
+        )),
+        Err(_) if parse_at_seq(s).is_ok() => Err(format!("{s} is too large a number")),
+        Err(_) => Err(format!("{s:?} is not a whole number")),
+    }
+}
+
+fn parse_at_least_0(s: &str) -> Result<i64, String> {
+    parse_at_least(s, 0)
+}
+
+fn parse_at_least_1(s: &str) -> Result<i64, String> {
+    parse_at_least(s, 1)
+}
+
 fn parse_at_seq(s: &str) -> Result<AtSeq, String> {
     let digits = s.strip_prefix('-').unwrap_or(s);
     if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
@@ -759,11 +780,24 @@ fn load_tokens(file: Option<&PathBuf>) -> Result<Option<crate::server::Tokens>, 
             .map(Some)
             .map_err(CliError::Input);
     }
-    match std::env::var("SESSION_STORE_TOKENS") {
-        Ok(text) if !text.trim().is_empty() => Tokens::parse(&text, "SESSION_STORE_TOKENS")
-            .map(Some)
-            .map_err(CliError::Input),
-        _ => Ok(None),
+    match std::env::var_os("SESSION_STORE_TOKENS") {
+        None => Ok(None),
+        // Set to nothing is most often a secret a deployment's template
+        // failed to render: taken as unset, it turned authentication off.
+        Some(text) if text.to_str().is_some_and(|t| t.trim().is_empty()) => {
+            Err(CliError::Input(
+                "SESSION_STORE_TOKENS is set but empty: give it a token document, or unset it to serve without tokens (on a loopback address only, or with --insecure)"
+                    .to_owned(),
+            ))
+        }
+        Some(text) => match text.into_string() {
+            Ok(text) => Tokens::parse(&text, "SESSION_STORE_TOKENS")
+                .map(Some)
+                .map_err(CliError::Input),
+            Err(_) => Err(CliError::Input(
+                "SESSION_STORE_TOKENS is not UTF-8 text, so not a token document".to_owned(),
+            )),
+        },
     }
 }
 
@@ -923,7 +957,7 @@ async fn run_on(
             file,
             ..
         } => {
-            let spool = PiSpool::copy(input(file.as_ref())?)?;
+            let spool = PiSpool::copy(input(file.as_ref())?, import::pi_line_limit(max_bytes))?;
             let tree = crate::pi::PiTree::read(spool.lines()?)?;
             if let Some(version) = tree.newer_version() {
                 let current = crate::pi::CURRENT_VERSION;

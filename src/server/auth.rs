@@ -142,6 +142,16 @@ impl Tokens {
             r#"{"tokens": [{"token": "…", "tenant": "…", "scopes": ["read", "write", "audit"]}]}"#;
         let value: serde_json::Value = serde_json::from_str(text)
             .map_err(|e| format!("{source} is not a token document ({SHAPE}): {e}"))?;
+        // A parser keeps one of a key's two values: an operator reading
+        // `"tenant": "a", "tenant": "b"` cannot tell which tenant (or which
+        // scopes) the token has. Said by place only (a key may be a token).
+        if let Err(e) = crate::event::check_unique_keys(text.as_bytes()) {
+            return Err(format!(
+                "{source} gives one key twice in an object (line {}, column {}): which of the two values holds is not clear, so the document is refused",
+                e.line(),
+                e.column()
+            ));
+        }
         let tokens = value
             .as_object()
             .filter(|o| o.len() == 1)
@@ -348,6 +358,15 @@ mod tests {
                 r#"{"tokens": [{"token": "0123456789abcdef", "tenant": "a", "scopes": ["read"], "x": 1}]}"#,
                 "token 1 is not an object",
             ),
+            // Which tenant, which scopes? Neither value is chosen.
+            (
+                r#"{"tokens": [{"token": "0123456789abcdef", "tenant": "a", "tenant": "b", "scopes": ["read"]}]}"#,
+                "gives one key twice in an object (line 1, column 65)",
+            ),
+            (
+                r#"{"tokens": [{"token": "0123456789abcdef", "tenant": "a", "scopes": ["read"], "scopes": ["read", "write"]}]}"#,
+                "gives one key twice",
+            ),
         ] {
             let err = Tokens::parse(doc, "tokens.json").unwrap_err();
             assert!(err.contains(needle), "{err}");
@@ -372,6 +391,9 @@ mod tests {
             ),
             format!(r#"{{"{secret}": []}}"#),
             format!(r#"{{"tokens": [{{"token": "{secret}", "tenant": "a", "scopes": ["read"]}}]"#),
+            format!(
+                r#"{{"tokens": [{{"{secret}": 1, "{secret}": 2, "tenant": "a", "scopes": ["read"]}}]}}"#
+            ),
         ] {
             let err = Tokens::parse(&doc, "tokens.json").unwrap_err();
             assert!(!err.contains(secret), "{err}");

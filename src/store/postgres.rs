@@ -60,6 +60,20 @@ type JudgeRow = (
     Option<String>,
 );
 
+/// The relations the store's migrations make (tables, their sequence-like
+/// counter): in a database without `_sqlx_migrations`, one of these names
+/// taken is another application's table.
+const STORE_RELATIONS: [&str; 8] = [
+    "events",
+    "event_position",
+    "calls",
+    "session_views",
+    "session_owners",
+    "chain_backfill",
+    "activation_changes",
+    "changes_backfill",
+];
+
 /// A row of `view_and_window`: an event's [`Row`], or (with the last
 /// column set) the view as a JSON array.
 type ViewOrEvent = (i64, Uuid, i64, Uuid, String, DateTime<Utc>, Option<String>);
@@ -645,6 +659,30 @@ impl PgBackend {
                 self.connect.get_host(),
                 self.connect.get_port()
             )));
+        }
+        if applied.is_none() {
+            // A database without the migrator's table holds no store: a
+            // table of the store's name there is another application's,
+            // which the first migration would fail on (said as a database
+            // error, exit 4) after making `_sqlx_migrations` beside it.
+            let taken: Vec<String> = trip(
+                self.read_deadline,
+                sqlx::query_scalar(
+                    "SELECT t FROM unnest($1::text[]) AS t WHERE to_regclass(t) IS NOT NULL ORDER BY t",
+                )
+                .bind(&STORE_RELATIONS[..])
+                .fetch_all(&self.pool),
+            )
+            .await?;
+            if !taken.is_empty() {
+                let db = self.connect.get_database().unwrap_or("postgres");
+                return Err(Error::NotAStore(format!(
+                    "the PostgreSQL database {db:?} at {}:{} is not a session store: it has no record of the store's migrations but already holds {} of the names the store's tables take; it was left unchanged",
+                    self.connect.get_host(),
+                    self.connect.get_port(),
+                    taken.join(", ")
+                )));
+            }
         }
         // On a connection of its own without the statement timeout: a
         // migration that builds an index reads the whole log, which on a

@@ -214,10 +214,17 @@ pub(super) async fn check_file(url: &str, create: bool) -> Result<Option<String>
     if tables.is_empty() && !create {
         return Err(empty("the SQLite database holds no tables"));
     }
+    // A store's tables come with the migrator's own, made before any of
+    // them and written in each migration's transaction: tables without it
+    // are another program's, even one named as the store's (`events`),
+    // which the first migration would have failed on after making
+    // `_sqlx_migrations` in the file.
+    let migrated = tables.iter().any(|t| t == "_sqlx_migrations");
     let foreign: Vec<&str> = tables
         .iter()
         .map(String::as_str)
-        .filter(|t| !STORE_TABLES.contains(t) && !t.starts_with("sqlite_"))
+        .filter(|t| !t.starts_with("sqlite_"))
+        .filter(|t| !migrated || !STORE_TABLES.contains(t))
         .collect();
     if foreign.is_empty() {
         return Ok(None);
