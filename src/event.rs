@@ -714,6 +714,16 @@ pub fn parse_line(
             ),
         ));
     }
+    // A reader drops the mark before an input's first line; one here
+    // starts a later line (files joined with `cat`), which serde_json
+    // said only as "expected value at column 1".
+    if line.starts_with('\u{feff}') {
+        return Err(ValidationError::new(
+            Rule::MalformedJson,
+            None,
+            "the line starts with a byte order mark (U+FEFF), which only an input's first line may carry (were files joined?)",
+        ));
+    }
     let malformed =
         |e: serde_json::Error| ValidationError::new(Rule::MalformedJson, None, line_json_error(&e));
     check_reserved_key(line.as_bytes())

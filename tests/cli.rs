@@ -1780,6 +1780,20 @@ fn import_says_what_it_kept_and_reads_past_a_byte_order_mark() {
             && err.contains("the 2 events before it are stored"),
         "{err}"
     );
+    // One before a later line (files joined with `cat`) is said as such.
+    let joined = format!(
+        "{}\n\u{feff}{}\n",
+        with_session(r#"{"type":"prompt_submitted","text":"y"}"#),
+        with_session(r#"{"type":"prompt_submitted","text":"z"}"#)
+    );
+    let out = run(&url, &["import"], Some(&joined));
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("line 2: the line starts with a byte order mark (U+FEFF)")
+            && stderr(&out).contains("(rule malformed-json)"),
+        "{}",
+        stderr(&out)
+    );
     // A pi session file given to the JSONL reader says so.
     let pi = std::fs::read_to_string("tests/fixtures/pi/plain.jsonl").unwrap();
     let out = run(&url, &["import"], Some(&pi));

@@ -307,6 +307,28 @@ fn serve_refuses_a_public_address_without_tokens() {
             "{err}"
         );
     }
+
+    // A token file an editor began with a byte order mark is read as its
+    // document (here one whose token is too short, said as that, not as
+    // text that is not JSON).
+    let file = dir.path().join("tokens.json");
+    std::fs::write(
+        &file,
+        "\u{feff}{\"tokens\": [{\"token\": \"short\", \"tenant\": \"a\", \"scopes\": [\"read\"]}]}",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_session-store"))
+        .arg("--database")
+        .arg(&db)
+        .args(["serve", "--listen", "127.0.0.1:0", "--tokens"])
+        .arg(&file)
+        .env_remove("SESSION_STORE_TOKENS")
+        .env_remove("SESSION_STORE_TOKENS_FILE")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("at least 16 characters"), "{err}");
 }
 
 /// `serve` of the SQLite store `db` with `args` and no tokens (killed when

@@ -776,7 +776,9 @@ fn load_tokens(file: Option<&PathBuf>) -> Result<Option<crate::server::Tokens>, 
                 path.display()
             ))
         })?;
-        return Tokens::parse(&text, &format!("the token file {}", path.display()))
+        // A byte order mark some editors put first is not the document.
+        let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
+        return Tokens::parse(text, &format!("the token file {}", path.display()))
             .map(Some)
             .map_err(CliError::Input);
     }
