@@ -1861,3 +1861,67 @@ async fn a_body_in_a_coding_the_server_does_not_decode_is_415() {
         StatusCode::CREATED
     );
 }
+
+/// The lag histogram times the delivery of what was appended while a
+/// stream was open: a catch-up over an imported past (whose events keep
+/// their source's `recorded_at`, here the year 2000) is not lag, which
+/// made the histogram's sum reach 6.4e10 s.
+#[tokio::test]
+async fn stream_lag_counts_only_what_was_appended_while_it_was_open() {
+    use session_store::{EventBody, NewEvent};
+    let dir = tempfile::tempdir().unwrap();
+    let store = store_in(&dir).await;
+    let app = router(&store, ServerConfig::default());
+    let id = Uuid::new_v4();
+    let past: chrono::DateTime<chrono::Utc> = "2000-01-01T00:00:00Z".parse().unwrap();
+    let old = |body: EventBody| NewEvent {
+        recorded_at: Some(past),
+        ..NewEvent::new(body)
+    };
+    store
+        .append(
+            id,
+            0,
+            vec![
+                old(EventBody::SessionStarted {
+                    mode: "agent".into(),
+                    metadata: None,
+                }),
+                old(EventBody::PromptSubmitted { text: "p1".into() }),
+                old(EventBody::AssistantMessage { text: "a1".into() }),
+            ],
+        )
+        .await
+        .unwrap();
+    // From seq 1 on: the two imported events come as a catch-up.
+    let mut stream = open_stream(&app, &format!("/v1/sessions/{id}/stream"), Some("1")).await;
+    let mut seen = Vec::new();
+    while !seen
+        .iter()
+        .any(|(k, i, _): &(String, String, Value)| k == "event" && i == "3")
+    {
+        seen.extend(read_sse(&mut stream, 1).await);
+    }
+    let (s, v) = post(
+        &app,
+        &events_uri(id),
+        None,
+        &json!({"expected_seq": 3, "events": [{"type": "prompt_submitted", "text": "p2"}]}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    while !seen.iter().any(|(k, i, _)| k == "event" && i == "4") {
+        seen.extend(read_sse(&mut stream, 1).await);
+    }
+    let (_, _, text) = call(&app, Method::GET, "/metrics", None, None, Body::empty()).await;
+    let value = |name: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {text}"))
+    };
+    assert_eq!(value("session_store_subscription_lag_seconds_count"), 1.0);
+    assert!(
+        value("session_store_subscription_lag_seconds_sum") < 60.0,
+        "{text}"
+    );
+}

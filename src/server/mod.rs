@@ -1442,6 +1442,11 @@ async fn feed_stream(
     metrics.streams.inc();
     let mut shutdown = inner.shutdown.subscribe();
     let store = inner.store.clone();
+    // Lag is the delivery of what was appended while the stream was open:
+    // a catch-up over a session's past, or imported events (which keep
+    // the `recorded_at` of their source, years back), would report their
+    // age instead (a review saw the histogram's sum reach 6.4e10 s).
+    let opened = chrono::Utc::now();
     let run = async {
         if announce
             && tx
@@ -1492,10 +1497,12 @@ async fn feed_stream(
                     break;
                 }
                 for ev in page {
-                    let lag = (chrono::Utc::now() - ev.recorded_at).num_milliseconds();
-                    metrics
-                        .subscription_lag_seconds
-                        .observe(lag.max(0) as f64 / 1000.0);
+                    if ev.recorded_at >= opened {
+                        let lag = (chrono::Utc::now() - ev.recorded_at).num_milliseconds();
+                        metrics
+                            .subscription_lag_seconds
+                            .observe(lag.max(0) as f64 / 1000.0);
+                    }
                     let (seq, refresh) = (ev.seq, ev.body.is_refresh_point());
                     let sent = sse_json("event", seq, &ev);
                     // The event itself goes to the state, shed of its texts.
