@@ -1769,6 +1769,63 @@ async fn postgres_a_foreign_table_of_the_stores_name_is_not_migrated_over() {
     pool.close().await;
 }
 
+/// The store lives in the schema its migrations write to (the first of
+/// the `search_path` that exists): another application's `public.events`
+/// on the path is not the store's, and a new store in a schema of its own
+/// beside it is made (the check of a foreign table once looked a name up
+/// through the whole path and refused it). A role that may not read the
+/// migrator's table is said as that, not as a database of something else.
+#[tokio::test]
+async fn postgres_a_store_in_a_schema_of_its_own_beside_a_public_events_table() {
+    let Some(db) = common::postgres_db() else {
+        return;
+    };
+    let pool = sqlx::PgPool::connect(&db.url).await.unwrap();
+    for sql in [
+        "CREATE TABLE public.events (x TEXT)",
+        "CREATE SCHEMA sess",
+        "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET search_path = sess, public', current_database()); END $$",
+    ] {
+        sqlx::query(sql).execute(&pool).await.unwrap();
+    }
+    pool.close().await;
+    let store = Store::open(&db.url).await.unwrap();
+    let s = Uuid::new_v4();
+    store.append(s, 0, vec![started()]).await.unwrap();
+    store.close().await;
+    let pool = sqlx::PgPool::connect(&db.url).await.unwrap();
+    let events_tables: Vec<String> = sqlx::query_scalar(
+        "SELECT schemaname::text FROM pg_tables WHERE tablename = 'events' ORDER BY 1",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(events_tables, ["public", "sess"]);
+    let n: i64 = sqlx::query_scalar("SELECT count(x) FROM public.events")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(n, 0, "the application's table is as it was");
+
+    let role = format!("stranger_{}", Uuid::new_v4().simple());
+    for sql in [
+        format!("CREATE ROLE {role} LOGIN"),
+        format!("GRANT USAGE ON SCHEMA sess TO {role}"),
+        format!("GRANT SELECT, INSERT, UPDATE ON ALL TABLES IN SCHEMA sess TO {role}"),
+        format!("REVOKE ALL ON sess._sqlx_migrations FROM {role}"),
+    ] {
+        sqlx::query(&sql).execute(&pool).await.unwrap();
+    }
+    pool.close().await;
+    let url = db.url.replacen("postgres@", &format!("{role}@"), 1);
+    assert_ne!(url, db.url);
+    match Store::open(&url).await {
+        Err(Error::NotAStore(m)) => panic!("said as no store: {m}"),
+        Err(e) => assert!(e.to_string().contains("permission denied"), "{e}"),
+        Ok(_) => panic!("opened without reading the migrations"),
+    }
+}
+
 both_backends!(
     a_position_at_the_end_of_its_range_is_said_not_overflowed,
     |url: String| async move {

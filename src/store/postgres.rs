@@ -61,9 +61,10 @@ type JudgeRow = (
 );
 
 /// The relations the store's migrations make (tables, their sequence-like
-/// counter): in a database without `_sqlx_migrations`, one of these names
-/// taken is another application's table.
-const STORE_RELATIONS: [&str; 8] = [
+/// counter), and the migrator's own table: in a schema without
+/// `_sqlx_migrations`, one of the others taken is another application's.
+const STORE_RELATIONS: [&str; 9] = [
+    "_sqlx_migrations",
     "events",
     "event_position",
     "calls",
@@ -628,20 +629,40 @@ impl PgBackend {
         // them), goes through the migrator, whose statements may run long.
         // Versions and checksums, as the migrator compares them: a
         // migration changed since it was applied is its to refuse.
-        let applied: Option<Vec<(i64, Vec<u8>)>> = match trip(
+        // Which of the store's relations the schema the migrations write to
+        // (`current_schema()`, where their unqualified names go) already
+        // holds, the migrator's table among them. Looked up there only: a
+        // table of the same name in another schema on the `search_path`
+        // (`public.events` beside a store in a schema of its own) is not
+        // the store's.
+        let present: Vec<String> = trip(
             self.read_deadline,
-            sqlx::query_as(
-                "SELECT version, checksum FROM _sqlx_migrations WHERE success ORDER BY version",
+            sqlx::query_scalar(
+                "SELECT c.relname::text FROM pg_class c \
+                 JOIN pg_namespace n ON n.oid = c.relnamespace \
+                 WHERE n.nspname = current_schema() AND c.relname = ANY($1) ORDER BY 1",
             )
+            .bind(&STORE_RELATIONS[..])
             .fetch_all(&self.pool),
         )
-        .await
-        {
-            Ok(v) => Some(v),
-            Err(e @ Error::Unavailable(_)) => return Err(e),
-            // No table yet (a new database): the migrator makes it.
-            Err(_) => None,
-        };
+        .await?;
+        let applied: Option<Vec<(i64, Vec<u8>)>> =
+            match present.iter().any(|t| t == "_sqlx_migrations") {
+                // Any failure to read it (a role without the right to) is
+                // said as itself, not taken for a database without a store.
+                true => Some(
+                    trip(
+                        self.read_deadline,
+                        sqlx::query_as(
+                            "SELECT version, checksum FROM _sqlx_migrations WHERE success ORDER BY version",
+                        )
+                        .fetch_all(&self.pool),
+                    )
+                    .await?,
+                ),
+                // No table yet (a new database): the migrator makes it.
+                false => None,
+            };
         let known: Vec<(i64, Vec<u8>)> = MIGRATOR
             .iter()
             .map(|m| (m.version, m.checksum.to_vec()))
@@ -649,38 +670,25 @@ impl PgBackend {
         if applied.as_ref() == Some(&known) {
             return Ok(());
         }
-        if applied.is_none() && !self.create {
-            // As for a SQLite path that names no store: a command that only
-            // reads does not make the store's tables in a database that has
-            // none (another application's, a mistyped name), and says so.
-            let db = self.connect.get_database().unwrap_or("postgres");
-            return Err(Error::NotAStore(format!(
-                "there is no session store in the PostgreSQL database {db:?} at {}:{}: it has none of the store's tables, and this command only reads (import, append, migrate, serve and tail --follow make them)",
-                self.connect.get_host(),
-                self.connect.get_port()
-            )));
-        }
         if applied.is_none() {
-            // A database without the migrator's table holds no store: a
+            let db = self.connect.get_database().unwrap_or("postgres");
+            let (host, port) = (self.connect.get_host(), self.connect.get_port());
+            // A schema without the migrator's table holds no store: a
             // table of the store's name there is another application's,
             // which the first migration would fail on (said as a database
             // error, exit 4) after making `_sqlx_migrations` beside it.
-            let taken: Vec<String> = trip(
-                self.read_deadline,
-                sqlx::query_scalar(
-                    "SELECT t FROM unnest($1::text[]) AS t WHERE to_regclass(t) IS NOT NULL ORDER BY t",
-                )
-                .bind(&STORE_RELATIONS[..])
-                .fetch_all(&self.pool),
-            )
-            .await?;
-            if !taken.is_empty() {
-                let db = self.connect.get_database().unwrap_or("postgres");
+            if !present.is_empty() {
                 return Err(Error::NotAStore(format!(
-                    "the PostgreSQL database {db:?} at {}:{} is not a session store: it has no record of the store's migrations but already holds {} of the names the store's tables take; it was left unchanged",
-                    self.connect.get_host(),
-                    self.connect.get_port(),
-                    taken.join(", ")
+                    "the PostgreSQL database {db:?} at {host}:{port} is not a session store: its schema has no record of the store's migrations but already holds {} of the names the store's tables take; it was left unchanged",
+                    present.join(", ")
+                )));
+            }
+            // As for a SQLite path that names no store: a command that only
+            // reads does not make the store's tables in a database that has
+            // none (another application's, a mistyped name), and says so.
+            if !self.create {
+                return Err(Error::NotAStore(format!(
+                    "there is no session store in the PostgreSQL database {db:?} at {host}:{port}: it has none of the store's tables, and this command only reads (import, append, migrate, serve and tail --follow make them)"
                 )));
             }
         }
