@@ -908,7 +908,7 @@ fn history_refuses_a_negative_after_seq() {
         None,
     );
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
-    assert!(stderr(&out).contains("too large"), "{}", stderr(&out));
+    assert!(stderr(&out).contains("is out of range"), "{}", stderr(&out));
     let out = run(&db.url, &["history", S, "--limit", "ten"], None);
     assert!(
         stderr(&out).contains("\"ten\" is not a whole number"),

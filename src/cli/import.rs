@@ -91,14 +91,16 @@ impl PiSpool {
         let mut line = Vec::new();
         for n in 1.. {
             line.clear();
-            let cap = (limit as u64).saturating_add(1);
+            // The limit is on the line's text: room for its CR and LF.
+            let cap = (limit as u64).saturating_add(2);
             let read = <&mut Box<dyn BufRead + Send> as std::io::Read>::take(&mut input, cap)
                 .read_until(b'\n', &mut line)
                 .map_err(|e| CliError::Io(format!("cannot read line {n} of the input: {e}")))?;
             if read == 0 {
                 break;
             }
-            let text_len = line.len() - usize::from(line.last() == Some(&b'\n'));
+            let text = line.strip_suffix(b"\n").unwrap_or(&line);
+            let text_len = text.strip_suffix(b"\r").unwrap_or(text).len();
             if text_len > limit {
                 return Err(CliError::Line {
                     line: n,
@@ -901,4 +903,33 @@ async fn stored_elsewhere(
     });
     unlooked.clear();
     Ok(refusal)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spool(text: &str, limit: usize) -> Result<Vec<String>, CliError> {
+        let input: Box<dyn BufRead + Send> = Box::new(std::io::Cursor::new(text.to_owned()));
+        let spool = PiSpool::copy(input, limit)?;
+        let lines = spool.lines()?.map(|l| l.map(|(_, t)| t)).collect();
+        lines
+    }
+
+    /// The limit is on a line's text, whatever ends it (LF, CR LF, or the
+    /// end of the input), as for JSON lines.
+    #[test]
+    fn a_pi_line_of_exactly_the_limit_is_read_however_it_ends() {
+        for ending in ["\n", "\r\n", ""] {
+            let text = format!("{}{ending}", "x".repeat(10));
+            assert_eq!(spool(&text, 10).unwrap(), ["x".repeat(10)], "{ending:?}");
+            let text = format!("ok\n{}{ending}", "x".repeat(11));
+            match spool(&text, 10) {
+                Err(CliError::Line { line: 2, error }) => {
+                    assert!(error.message.contains("over 10 bytes"), "{}", error.message)
+                }
+                other => panic!("{ending:?}: {other:?}"),
+            }
+        }
+    }
 }

@@ -605,7 +605,9 @@ fn parse_at_least(s: &str, min: i64) -> Result<i64, String> {
         Ok(n) => Err(format!(
             "{n} is below {min}: give a whole number of at least {min}"
         )),
-        Err(_) if parse_at_seq(s).is_ok() => Err(format!("{s} is too large a number")),
+        Err(_) if parse_at_seq(s).is_ok() => Err(format!(
+            "{s} is out of range: give a whole number of at least {min}"
+        )),
         Err(_) => Err(format!("{s:?} is not a whole number")),
     }
 }
