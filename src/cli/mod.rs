@@ -313,7 +313,9 @@ pub struct ScopeArgs {
     /// Rows per page (1 to 1000).
     #[arg(long, default_value_t = 100, allow_negative_numbers = true, value_parser = clap::value_parser!(i64).range(1..=crate::store::query::MAX_PAGE))]
     pub limit: i64,
-    /// The cursor a previous page printed as `next`.
+    /// The cursor a previous page gave: its last line's "--after …" (in
+    /// `--json`, `next_after_position` of `audit events`, `next` of the
+    /// others).
     #[arg(long, allow_hyphen_values = true)]
     pub after: Option<String>,
     /// Print the page as one JSON object.
