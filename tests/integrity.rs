@@ -410,6 +410,47 @@ both_backends!(
 );
 
 both_backends!(
+    stores_opened_together_on_a_store_to_backfill_chain_every_session_once,
+    |url: String| async move {
+        // Sessions as from before the chain (no hash, listed), and four
+        // stores opened at once: on PostgreSQL one does the work while the
+        // others wait for its lock, then find nothing left; every one
+        // opens, and every session's chain is the one a fresh store
+        // computes (the heads before the erasure).
+        let (store, victim, bystander) = setup(&url).await;
+        let before = store.verify_integrity(None).await.unwrap().heads;
+        store.close().await;
+        raw(
+            &url,
+            &format!(
+                "{} UPDATE events SET hash = NULL; \
+                 INSERT INTO chain_backfill (session_id) VALUES ({}), ({});",
+                disable_triggers(&url),
+                sid(&url, victim),
+                sid(&url, bystander)
+            ),
+        )
+        .await;
+        let (a, b, c, d) = tokio::join!(
+            Store::open(&url),
+            Store::open(&url),
+            Store::open(&url),
+            Store::open(&url)
+        );
+        let stores: Vec<Store> = [a, b, c, d]
+            .into_iter()
+            .map(|s| s.expect("every store opens"))
+            .collect();
+        let report = stores[0].verify_integrity(None).await.unwrap();
+        assert!(report.intact(), "{report:?}");
+        assert_eq!(report.heads, before);
+        for s in stores {
+            s.close().await;
+        }
+    }
+);
+
+both_backends!(
     a_session_listed_for_chaining_behind_the_stores_back_is_not_repaired,
     |url: String| async move {
         // An edited row, the hashes from it on erased, and the session put

@@ -250,17 +250,61 @@ async fn verify_in<T: LogTx>(mut tx: T, only: Option<Uuid>) -> Result<IntegrityR
 }
 
 impl Store {
+    /// The one-time work of an upgrade, when there is any: on PostgreSQL
+    /// by one instance at a time ([`PgBackend::backfill_turn`]); an
+    /// instance that waited for another one's finds nothing left and goes
+    /// on. (On SQLite the work's write transactions take turns with other
+    /// processes' appends, as any writer's do.)
+    ///
+    /// [`PgBackend::backfill_turn`]: super::postgres::PgBackend::backfill_turn
+    pub(crate) async fn backfill(&self) -> Result<()> {
+        let pending = match &self.backend {
+            Backend::Sqlite(b) => {
+                let mut tx = b.begin_read().await?;
+                !tx.backfill_pending(1).await?.is_empty()
+                    || !tx.changes_backfill_pending(1).await?.is_empty()
+            }
+            Backend::Postgres(b) => {
+                let mut tx = b.begin_read().await?;
+                !tx.backfill_pending(1).await?.is_empty()
+                    || !tx.changes_backfill_pending(1).await?.is_empty()
+            }
+        };
+        if !pending {
+            return Ok(());
+        }
+        let turn = match &self.backend {
+            Backend::Postgres(b) => Some(b.backfill_turn().await?),
+            Backend::Sqlite(_) => None,
+        };
+        let done = async {
+            self.backfill_chains().await?;
+            self.backfill_changes().await
+        }
+        .await;
+        if let Some(conn) = turn {
+            super::postgres::PgBackend::end_turn(conn).await;
+        }
+        done
+    }
+
     /// Chains the sessions written before the chain existed (once, when a
     /// store is opened after migration 0004), a few sessions per write
     /// transaction.
     pub(crate) async fn backfill_chains(&self) -> Result<()> {
         async fn batch<T: LogTx>(mut tx: T) -> Result<usize> {
             let pending = tx.backfill_pending(50).await?;
+            let started = std::time::Instant::now();
+            let mut done = 0;
             for s in &pending {
                 chain_session(&mut tx, *s).await?;
+                done += 1;
+                if started.elapsed() >= super::BACKFILL_TX_BUDGET {
+                    break;
+                }
             }
             tx.commit().await?;
-            Ok(pending.len())
+            Ok(done)
         }
         // Read first: the write lock is only worth waiting for when there
         // is something to chain, and every command opens the store (a

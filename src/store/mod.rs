@@ -85,6 +85,15 @@ const FOLD_PAGE: i64 = 2_000;
 /// (1 000 events of 1 MiB were a page of a gigabyte).
 pub const PAGE_BYTES: usize = 4 << 20;
 
+/// How long one transaction of a one-time backfill (the hash chain of
+/// sessions from before migration 0004, the activation changes of those
+/// from before 0005) goes on taking sessions, at least one: on PostgreSQL
+/// it holds the position counter, which every other process's append and
+/// open wait for (10 s at most, then exit 4). 50 sessions of 25 000
+/// events held it about 8 s in an upgrade review; a session longer than
+/// the budget still goes whole, in one transaction.
+const BACKFILL_TX_BUDGET: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// [`PAGE_BYTES`], by the name the folds use.
 const FOLD_PAGE_BYTES: usize = PAGE_BYTES;
 
@@ -657,8 +666,7 @@ impl Store {
             rebuilds: Mutex::new(None),
         };
         store.migrate().await?;
-        store.backfill_chains().await?;
-        store.backfill_changes().await?;
+        store.backfill().await?;
         Ok(store)
     }
 

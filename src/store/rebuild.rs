@@ -381,7 +381,13 @@ impl Store {
     pub(super) async fn backfill_changes(&self) -> Result<()> {
         async fn batch<T: LogTx>(mut tx: T) -> Result<usize> {
             let pending = tx.changes_backfill_pending(20).await?;
+            let started = std::time::Instant::now();
+            let mut done = 0;
             for s in &pending {
+                if started.elapsed() >= super::BACKFILL_TX_BUDGET {
+                    break;
+                }
+                done += 1;
                 // A listed session without events was listed behind the
                 // store's back: taken off the list (folding it failed
                 // every command's open, `verify` included, with "not
@@ -394,7 +400,7 @@ impl Store {
                 rebuild_session(&mut tx, *s).await?;
             }
             tx.commit().await?;
-            Ok(pending.len())
+            Ok(done)
         }
         // Read first, as `backfill_chains` does: no write lock when nothing
         // is pending.
