@@ -723,29 +723,12 @@ impl PgBackend {
             // the lock holder: a deadlock, one of them refused. So this
             // lock is asked for without blocking, again every 200 ms, and
             // only its holder goes on to the migrator's (then free).
-            let started = std::time::Instant::now();
-            let mut said = started;
-            while !trip(
-                self.read_deadline,
-                sqlx::query_scalar::<_, bool>("SELECT pg_try_advisory_lock($1)")
-                    .bind(MIGRATION_LOCK)
-                    .fetch_one(&mut conn),
+            self.take_turn(
+                &mut conn,
+                MIGRATION_LOCK,
+                "migrating the PostgreSQL database",
             )
-            .await?
-            {
-                if started.elapsed() >= self.migration_lock_wait {
-                    return Err(Error::Unavailable(format!(
-                        "another instance has been migrating the PostgreSQL database for {} s \
-                         (or stopped while it held the migration lock); try again once it is done",
-                        started.elapsed().as_secs()
-                    )));
-                }
-                if said.elapsed() >= Duration::from_secs(10) {
-                    tracing::info!("waiting for another instance to finish migrating the database");
-                    said = std::time::Instant::now();
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
+            .await?;
             repair_cut_off_builds(&mut conn, self.read_deadline).await?;
             MIGRATOR
                 .run_direct(&mut conn)
@@ -776,35 +759,55 @@ impl PgBackend {
             .await
             .map_err(Error::from_sqlx)?
             .detach();
+        match self
+            .take_turn(
+                &mut conn,
+                BACKFILL_LOCK,
+                "doing the one-time work of an upgrade",
+            )
+            .await
+        {
+            Ok(()) => Ok(conn),
+            Err(e) => {
+                Self::end_turn(conn).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Takes the advisory lock `key` on `conn`, asking without blocking
+    /// every 200 ms for at most [`StoreOptions::migration_lock_wait`]
+    /// (logging every 10 s) while another instance is `doing` what the
+    /// lock guards. Never a blocking `pg_advisory_lock`: an instance
+    /// blocked in it is a statement in progress, which `CREATE INDEX
+    /// CONCURRENTLY` waits for while the instance waits for the holder.
+    ///
+    /// [`StoreOptions::migration_lock_wait`]: super::StoreOptions::migration_lock_wait
+    async fn take_turn(&self, conn: &mut sqlx::PgConnection, key: i64, doing: &str) -> Result<()> {
         let started = std::time::Instant::now();
         let mut said = started;
-        loop {
-            let got = trip(
-                self.read_deadline,
-                sqlx::query_scalar::<_, bool>("SELECT pg_try_advisory_lock($1)")
-                    .bind(BACKFILL_LOCK)
-                    .fetch_one(&mut conn),
-            )
-            .await?;
-            if got {
-                return Ok(conn);
-            }
+        while !trip(
+            self.read_deadline,
+            sqlx::query_scalar::<_, bool>("SELECT pg_try_advisory_lock($1)")
+                .bind(key)
+                .fetch_one(&mut *conn),
+        )
+        .await?
+        {
             if started.elapsed() >= self.migration_lock_wait {
-                Self::end_turn(conn).await;
                 return Err(Error::Unavailable(format!(
-                    "another instance has been doing the one-time work of an upgrade for {} s \
-                     (or stopped while it held its lock); try again once it is done",
+                    "another instance has been {doing} for {} s (or stopped while it held \
+                     its lock); try again once it is done",
                     started.elapsed().as_secs()
                 )));
             }
             if said.elapsed() >= Duration::from_secs(10) {
-                tracing::info!(
-                    "waiting for another instance to finish the one-time work of an upgrade"
-                );
+                tracing::info!("waiting for another instance that is {doing}");
                 said = std::time::Instant::now();
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+        Ok(())
     }
 
     /// Ends a [`PgBackend::backfill_turn`]: the connection is closed (its
