@@ -450,6 +450,57 @@ both_backends!(
     }
 );
 
+/// The one-time work's lock held by an instance that froze (here a
+/// connection of the test's, never released): a store that opens meanwhile
+/// waits for it at most its bound (`migration_lock_wait`, here 1 s), then
+/// does the work beside it, instead of every open waiting 15 minutes. The
+/// lock of another schema's store is not this one's: no wait at all.
+#[tokio::test]
+async fn postgres_a_frozen_backfill_holder_does_not_stop_the_others() {
+    use sqlx::Connection;
+    let Some(db) = common::postgres_db() else {
+        return;
+    };
+    let url = db.url.clone();
+    let (store, victim, bystander) = setup(&url).await;
+    let before = store.verify_integrity(None).await.unwrap().heads;
+    store.close().await;
+    let erase = format!(
+        "{} UPDATE events SET hash = NULL; \
+         INSERT INTO chain_backfill (session_id) VALUES ({}), ({});",
+        disable_triggers(&url),
+        sid(&url, victim),
+        sid(&url, bystander)
+    );
+    let options = || session_store::StoreOptions {
+        migration_lock_wait: std::time::Duration::from_secs(1),
+        ..Default::default()
+    };
+    for (schema, waits) in [("another_schema", false), ("public", true)] {
+        raw(&url, &erase).await;
+        let mut holder = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::query("SELECT pg_advisory_lock($1 # hashtext($2)::bigint)")
+            .bind(session_store::store::BACKFILL_LOCK)
+            .bind(schema)
+            .execute(&mut holder)
+            .await
+            .unwrap();
+        let started = std::time::Instant::now();
+        let store = Store::open_with(&url, options()).await.expect("opens");
+        let waited = started.elapsed();
+        assert_eq!(
+            waited >= std::time::Duration::from_secs(1),
+            waits,
+            "{schema}: {waited:?}"
+        );
+        let report = store.verify_integrity(None).await.unwrap();
+        assert!(report.intact(), "{report:?}");
+        assert_eq!(report.heads, before);
+        store.close().await;
+        holder.close().await.unwrap();
+    }
+}
+
 both_backends!(
     a_session_listed_for_chaining_behind_the_stores_back_is_not_repaired,
     |url: String| async move {

@@ -253,8 +253,10 @@ impl Store {
     /// The one-time work of an upgrade, when there is any: on PostgreSQL
     /// by one instance at a time ([`PgBackend::backfill_turn`]); an
     /// instance that waited for another one's finds nothing left and goes
-    /// on. (On SQLite the work's write transactions take turns with other
-    /// processes' appends, as any writer's do.)
+    /// on. On SQLite every process that opens the store meanwhile does it
+    /// too, its write transactions taking turns with the others' (each
+    /// backfill transaction is followed by a pause in which a writer
+    /// waiting in SQLite's busy handler gets the lock).
     ///
     /// [`PgBackend::backfill_turn`]: super::postgres::PgBackend::backfill_turn
     pub(crate) async fn backfill(&self) -> Result<()> {
@@ -274,7 +276,7 @@ impl Store {
             return Ok(());
         }
         let turn = match &self.backend {
-            Backend::Postgres(b) => Some(b.backfill_turn().await?),
+            Backend::Postgres(b) => b.backfill_turn().await?,
             Backend::Sqlite(_) => None,
         };
         let done = async {
@@ -326,6 +328,7 @@ impl Store {
                 break;
             }
             total += n;
+            self.backfill_pause().await;
         }
         if total > 0 {
             info!(
@@ -334,6 +337,18 @@ impl Store {
             );
         }
         Ok(())
+    }
+
+    /// On SQLite, the write lock left free between two backfill
+    /// transactions for [`super::rebuild::REBUILD_PAUSE`], as between
+    /// rebuilds: SQLite keeps no queue of waiting processes, and one
+    /// that opened the store during the work (even to read) waited in the
+    /// busy handler, found the lock taken again at once, and exited 4
+    /// after 10 s ("database is locked"; a review, 2026-12-07).
+    pub(super) async fn backfill_pause(&self) {
+        if matches!(self.backend, Backend::Sqlite(_)) {
+            tokio::time::sleep(super::rebuild::REBUILD_PAUSE).await;
+        }
     }
 
     /// Recomputes the hash chains of one session or all, and checks that

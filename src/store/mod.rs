@@ -55,6 +55,8 @@ pub use cache::CacheUsage;
 pub(crate) use cache::{Known, StateCache, Warm};
 pub use chain::{ChainHead, IntegrityReport};
 pub use explain::{ContextPages, EventPages};
+#[doc(hidden)]
+pub use postgres::BACKFILL_LOCK;
 use read::*;
 pub(crate) use read::{take_within, take_within_cut, WindowRead};
 pub use rows::ChangeRow;

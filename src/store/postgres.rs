@@ -225,8 +225,14 @@ async fn repair_cut_off_builds(
 const MIGRATION_LOCK: i64 = 0x5353_4d49_4752_4154;
 
 /// The advisory lock an instance holds while it does the one-time work of
-/// an upgrade (`PgBackend::backfill_turn`).
-const BACKFILL_LOCK: i64 = 0x5353_4246_494c_4c53;
+/// an upgrade (`PgBackend::backfill_turn`), XORed with the hash of the
+/// store's schema. Public for the tests that hold it.
+#[doc(hidden)]
+pub const BACKFILL_LOCK: i64 = 0x5353_4246_494c_4c53;
+
+/// How long an instance waits for another one's one-time upgrade work
+/// before doing it beside it ([`PgBackend::backfill_turn`]).
+const BACKFILL_WAIT: Duration = Duration::from_secs(30);
 
 /// The LISTEN/NOTIFY channel: payload "session:seq", a wake-up only.
 pub(crate) const NOTIFY_CHANNEL: &str = "session_store_events";
@@ -723,12 +729,18 @@ impl PgBackend {
             // the lock holder: a deadlock, one of them refused. So this
             // lock is asked for without blocking, again every 200 ms, and
             // only its holder goes on to the migrator's (then free).
-            self.take_turn(
-                &mut conn,
-                MIGRATION_LOCK,
-                "migrating the PostgreSQL database",
-            )
-            .await?;
+            let doing = "migrating the PostgreSQL database";
+            let wait = self.migration_lock_wait;
+            if !self
+                .take_turn(&mut conn, MIGRATION_LOCK, false, doing, wait)
+                .await?
+            {
+                return Err(Error::Unavailable(format!(
+                    "another instance has been {doing} for {} s (or stopped while it held \
+                     its lock); try again once it is done",
+                    wait.as_secs()
+                )));
+            }
             repair_cut_off_builds(&mut conn, self.read_deadline).await?;
             MIGRATOR
                 .run_direct(&mut conn)
@@ -745,29 +757,41 @@ impl PgBackend {
 
     /// A connection of its own holding the backfill lock: one instance at
     /// a time does the one-time work of an upgrade (chaining, activation
-    /// changes), the others wait for it here, asking every 200 ms, without
-    /// holding the position counter. When each instance that opened the
-    /// store meanwhile took its turns at the work, transaction by
-    /// transaction, the work took three times as long (28 s alone, 85 s
-    /// for two processes, measured 2026-12-07) and each command waited for
-    /// all of it. Closed by [`PgBackend::end_turn`] (or dropped: the
-    /// server releases the lock with the connection).
-    pub(crate) async fn backfill_turn(&self) -> Result<sqlx::PgConnection> {
+    /// changes) in a schema, the others wait for it here, asking every
+    /// 200 ms, without holding the position counter. When each instance
+    /// that opened the store meanwhile took its turns at the work,
+    /// transaction by transaction, the work took three times as long (28 s
+    /// alone, 85 s for two processes, measured 2026-12-07) and each command
+    /// waited for all of it. The wait is bounded by [`BACKFILL_WAIT`]:
+    /// past it (`None`) the instance does the work beside the holder,
+    /// transaction by transaction as before, which is correct (each
+    /// transaction holds the write lock and takes only what is still
+    /// listed), so a holder frozen or cut off while it keeps its
+    /// connection cannot stop every open for longer. Closed by
+    /// [`PgBackend::end_turn`] (or dropped: the server releases the lock
+    /// with the connection).
+    pub(crate) async fn backfill_turn(&self) -> Result<Option<sqlx::PgConnection>> {
         let mut conn = self
             .pool
             .acquire()
             .await
             .map_err(Error::from_sqlx)?
             .detach();
+        let doing = "doing the one-time work of an upgrade";
+        let wait = BACKFILL_WAIT.min(self.migration_lock_wait);
         match self
-            .take_turn(
-                &mut conn,
-                BACKFILL_LOCK,
-                "doing the one-time work of an upgrade",
-            )
+            .take_turn(&mut conn, BACKFILL_LOCK, true, doing, wait)
             .await
         {
-            Ok(()) => Ok(conn),
+            Ok(true) => Ok(Some(conn)),
+            Ok(false) => {
+                tracing::info!(
+                    waited_s = wait.as_secs(),
+                    "another instance is still doing the one-time work of an upgrade: doing it beside it"
+                );
+                Self::end_turn(conn).await;
+                Ok(None)
+            }
             Err(e) => {
                 Self::end_turn(conn).await;
                 Err(e)
@@ -775,31 +799,40 @@ impl PgBackend {
         }
     }
 
-    /// Takes the advisory lock `key` on `conn`, asking without blocking
-    /// every 200 ms for at most [`StoreOptions::migration_lock_wait`]
-    /// (logging every 10 s) while another instance is `doing` what the
-    /// lock guards. Never a blocking `pg_advisory_lock`: an instance
-    /// blocked in it is a statement in progress, which `CREATE INDEX
-    /// CONCURRENTLY` waits for while the instance waits for the holder.
-    ///
-    /// [`StoreOptions::migration_lock_wait`]: super::StoreOptions::migration_lock_wait
-    async fn take_turn(&self, conn: &mut sqlx::PgConnection, key: i64, doing: &str) -> Result<()> {
+    /// Takes the advisory lock `key` on `conn` (with `per_schema`, the
+    /// key of `current_schema()`'s: stores in two schemas of a database do
+    /// not wait for each other), asking without blocking every 200 ms for
+    /// at most `wait` (logging every 10 s) while another instance is
+    /// `doing` what the lock guards; false when the wait ran out. Never a
+    /// blocking `pg_advisory_lock`: an instance blocked in it is a
+    /// statement in progress, which `CREATE INDEX CONCURRENTLY` waits for
+    /// while the instance waits for the holder.
+    async fn take_turn(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        key: i64,
+        per_schema: bool,
+        doing: &str,
+        wait: Duration,
+    ) -> Result<bool> {
+        let sql = match per_schema {
+            true => {
+                "SELECT pg_try_advisory_lock($1 # hashtext(coalesce(current_schema(), ''))::bigint)"
+            }
+            false => "SELECT pg_try_advisory_lock($1)",
+        };
         let started = std::time::Instant::now();
         let mut said = started;
         while !trip(
             self.read_deadline,
-            sqlx::query_scalar::<_, bool>("SELECT pg_try_advisory_lock($1)")
+            sqlx::query_scalar::<_, bool>(sql)
                 .bind(key)
                 .fetch_one(&mut *conn),
         )
         .await?
         {
-            if started.elapsed() >= self.migration_lock_wait {
-                return Err(Error::Unavailable(format!(
-                    "another instance has been {doing} for {} s (or stopped while it held \
-                     its lock); try again once it is done",
-                    started.elapsed().as_secs()
-                )));
+            if started.elapsed() >= wait {
+                return Ok(false);
             }
             if said.elapsed() >= Duration::from_secs(10) {
                 tracing::info!("waiting for another instance that is {doing}");
@@ -807,7 +840,7 @@ impl PgBackend {
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Ends a [`PgBackend::backfill_turn`]: the connection is closed (its

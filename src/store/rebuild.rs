@@ -421,6 +421,7 @@ impl Store {
                 break;
             }
             total += n;
+            self.backfill_pause().await;
         }
         if total > 0 {
             tracing::info!(
