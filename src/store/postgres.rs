@@ -707,12 +707,7 @@ impl PgBackend {
         // large store takes longer than any one statement of the store's
         // may (30 s). The lock timeout stays: a migration waiting on a
         // lock that others then queue behind is said, not waited on.
-        let mut conn = self
-            .pool
-            .acquire()
-            .await
-            .map_err(Error::from_sqlx)?
-            .detach();
+        let mut conn = self.detached().await?;
         let result = async {
             // The round trips before the migrator's are bounded as reads
             // are: a server that stops answering while this instance waits
@@ -749,9 +744,8 @@ impl PgBackend {
         }
         .await;
         // Its settings are not the store's: closed, not returned (which
-        // also releases the lock). A server that stopped answering is not
-        // waited for.
-        let _ = tokio::time::timeout(Duration::from_secs(1), conn.close()).await;
+        // also releases the lock).
+        Self::end_turn(conn).await;
         result
     }
 
@@ -771,12 +765,7 @@ impl PgBackend {
     /// [`PgBackend::end_turn`] (or dropped: the server releases the lock
     /// with the connection).
     pub(crate) async fn backfill_turn(&self) -> Result<Option<sqlx::PgConnection>> {
-        let mut conn = self
-            .pool
-            .acquire()
-            .await
-            .map_err(Error::from_sqlx)?
-            .detach();
+        let mut conn = self.detached().await?;
         let doing = "doing the one-time work of an upgrade";
         let wait = BACKFILL_WAIT.min(self.migration_lock_wait);
         match self
@@ -843,9 +832,23 @@ impl PgBackend {
         Ok(true)
     }
 
-    /// Ends a [`PgBackend::backfill_turn`]: the connection is closed (its
-    /// lock goes with it), not returned to the pool; a server that stopped
-    /// answering is not waited for.
+    /// A connection taken out of the pool for good, for a session-level
+    /// advisory lock (the migration's, the backfill's) or settings that are
+    /// not the store's: it must not go back to the pool holding either,
+    /// and is closed by [`PgBackend::end_turn`].
+    async fn detached(&self) -> Result<sqlx::PgConnection> {
+        Ok(self
+            .pool
+            .acquire()
+            .await
+            .map_err(Error::from_sqlx)?
+            .detach())
+    }
+
+    /// Ends a [`PgBackend::detached`] connection (a migration's, a
+    /// [`PgBackend::backfill_turn`]): closed, its locks going with it, not
+    /// returned to the pool; a server that stopped answering is not waited
+    /// for.
     pub(crate) async fn end_turn(conn: sqlx::PgConnection) {
         let _ = tokio::time::timeout(Duration::from_secs(1), conn.close()).await;
     }
