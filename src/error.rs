@@ -164,6 +164,18 @@ pub enum Error {
     /// The session has no events.
     #[error("session {0} not found")]
     SessionNotFound(Uuid),
+    /// An operator's write on behalf of a tenant (`import --tenant`) to a
+    /// session another tenant owns; nothing was written. (The HTTP API
+    /// answers such a session as not found, as it does a missing one.)
+    #[error(
+        "session {session_id} belongs to another tenant than {tenant:?}; nothing of it was written"
+    )]
+    OtherTenant {
+        /// The session.
+        session_id: Uuid,
+        /// The tenant the write was for.
+        tenant: String,
+    },
     /// A seq to answer at (`at_seq`, the CLI's `--at-seq`) outside
     /// 1..=latest.
     #[error("seq {seq} is out of range for session {session_id}, whose events are 1 to {latest}")]
@@ -190,6 +202,16 @@ pub enum Error {
     /// without its password ([`redact_url`]).
     #[error("unsupported database URL {:?}: use a file path, sqlite://PATH or postgres://… (not an in-memory SQLite database, which would lose every acknowledged append with the process, nor a path holding NUL)", redact_url(.0))]
     BadUrl(String),
+    /// A database URL of a backend the store knows that it cannot use as
+    /// written: it does not parse, or it asks for what the driver would
+    /// ignore (`why`). Said without its password ([`redact_url`]).
+    #[error("the database URL {:?} cannot be used: {why}", redact_url(.url))]
+    UrlRefused {
+        /// The URL as given.
+        url: String,
+        /// What is wrong with it.
+        why: String,
+    },
     /// The database (the URL given to [`crate::Store::open`], the CLI's
     /// `--database`) names no session store: a SQLite file that does not
     /// exist (for a command that only reads), or a database of something
@@ -279,6 +301,13 @@ impl Error {
             // sqlx's own words name its internals ("error communicating
             // with database: expected to read 5 bytes…", "pool timed out
             // while waiting for an open connection"): said as what happened.
+            // A certificate rustls refused: the connection's settings,
+            // said with what to change.
+            sqlx::Error::Io(io) if io.to_string().contains("certificate") => {
+                Error::Unavailable(format!(
+                    "the PostgreSQL server's TLS certificate was not accepted ({io}): name the certificate authority that signed it with ?sslrootcert=FILE, or connect with sslmode=require, which encrypts without checking it"
+                ))
+            }
             sqlx::Error::Io(io) => Error::Unavailable(format!(
                 "the connection to the database failed or was cut off ({io})"
             )),
@@ -316,6 +345,18 @@ impl Error {
                 // such database): the database cannot be had, which the
                 // operator fixes; a pool that opens a connection after the
                 // store's start met them as a server error (HTTP 500).
+                // A role that may not write the store's tables (25006: a
+                // read-only transaction, a standby or
+                // default_transaction_read_only; 42501: no privilege): the
+                // database's settings, which the operator fixes. Not
+                // `Unavailable`: trying again cannot help (`import` tried
+                // for 10 s before it said so).
+                if code == "25006" || code == "42501" {
+                    return Error::Database(format!(
+                        "the database refused this role: {}; the role the store connects as must be able to read and write the store's tables",
+                        db.message()
+                    ));
+                }
                 if code.starts_with("08")
                     || code.starts_with("28")
                     || code == "3D000"
@@ -360,22 +401,64 @@ impl Error {
 /// Shorthand for store results.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// `url` with the password of its `user:password@` part replaced by `***`,
-/// for messages and logs: a URL the store cannot use is still the
-/// operator's secret.
+/// `url` with the password of its `user:password@` part, and the value of
+/// a `password=` parameter, replaced by `***`, for messages and logs: a
+/// URL the store cannot use is still the operator's secret. A URL is often
+/// refused because its password was not percent-encoded, so the password
+/// may hold `/`, `?`, `#` or `@`: the user info is taken to end at the
+/// URL's last `@`, which may hide more than the password, never less.
 pub fn redact_url(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_owned();
     };
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(authority_end);
-    match authority.rsplit_once('@') {
-        Some((userinfo, host)) => match userinfo.split_once(':') {
-            Some((user, _)) => format!("{scheme}://{user}:***@{host}{tail}"),
+    let said = match rest.rsplit_once('@') {
+        Some((userinfo, after)) => match userinfo.split_once(':') {
+            Some((user, _)) => format!("{scheme}://{user}:***@{after}"),
             None => url.to_owned(),
         },
         None => url.to_owned(),
-    }
+    };
+    redact_password_parameters(&said)
+}
+
+/// `url` with the value of each query parameter as `***`, but for the
+/// parameters known to hold no secret: a password may come as
+/// `password=`, libpq's `sslpassword=`, a misspelling or a percent-encoded
+/// spelling, and a list of secrets would miss some.
+fn redact_password_parameters(url: &str) -> String {
+    /// Parameters whose values are names, paths, numbers or modes.
+    const SHOWN: &[&str] = &[
+        "host",
+        "hostaddr",
+        "port",
+        "dbname",
+        "user",
+        "sslmode",
+        "ssl-mode",
+        "sslrootcert",
+        "ssl-root-cert",
+        "ssl-ca",
+        "sslcert",
+        "ssl-cert",
+        "sslkey",
+        "ssl-key",
+        "application_name",
+        "statement-cache-capacity",
+        "mode",
+        "cache",
+        "immutable",
+    ];
+    let Some((head, query)) = url.split_once('?') else {
+        return url.to_owned();
+    };
+    let params: Vec<String> = query
+        .split('&')
+        .map(|p| match p.split_once('=') {
+            Some((key, _)) if !SHOWN.contains(&key) => format!("{key}=***"),
+            _ => p.to_owned(),
+        })
+        .collect();
+    format!("{head}?{}", params.join("&"))
 }
 
 /// `s` as a JSON string, for messages that quote what a caller sent: a
@@ -499,6 +582,28 @@ mod redaction_and_chain_tests {
             ("postgres://app@db/x", "postgres://app@db/x"),
             ("mysql://u:pw@h/db", "mysql://u:***@h/db"),
             ("/var/lib/s.db", "/var/lib/s.db"),
+            // Passwords not percent-encoded, which is why such a URL is
+            // refused: whatever they hold stays hidden.
+            (
+                "postgres://app:top/secret@127.0.0.1:5432/appdb",
+                "postgres://app:***@127.0.0.1:5432/appdb",
+            ),
+            (
+                "postgres://app:p@ss:w/rd%#?& x@h:1/d",
+                "postgres://app:***@h:1/d",
+            ),
+            (
+                "postgres://h/s?user=postgres&password=S3cret&sslmode=bogus",
+                "postgres://h/s?user=postgres&password=***&sslmode=bogus",
+            ),
+            (
+                "postgres://u:pw@h/s?PASSWORD=x#y",
+                "postgres://u:***@h/s?PASSWORD=***",
+            ),
+            (
+                "postgres://h/s?sslpassword=a&pasword=b&pass%77ord=c&port=1&sslmode=require",
+                "postgres://h/s?sslpassword=***&pasword=***&pass%77ord=***&port=1&sslmode=require",
+            ),
         ] {
             assert_eq!(redact_url(url), said);
         }

@@ -517,6 +517,20 @@ fn time_bounds_finer_than_a_microsecond_keep_since_inclusive_and_until_exclusive
         assert_eq!(changes("--until", late), 1, "{name}");
         assert_eq!(events("--since", early), 1, "{name}");
         assert_eq!(events("--until", early), 0, "{name}");
+        // A year outside 0000-9999 is refused naming its flag, also
+        // written after a space (`-0001-…` looks like a flag to clap).
+        for bound in ["--since", "--until"] {
+            for year in ["-0001-01-01T00:00:00Z", "+10000-01-01T00:00:00Z"] {
+                let o = run(url, &["audit", "events", bound, year]);
+                assert_eq!(o.status.code(), Some(2), "{name} {bound} {year}");
+                let err = String::from_utf8_lossy(&o.stderr);
+                assert!(
+                    err.contains(&format!("for '{bound} <"))
+                        && err.contains("not an RFC 3339 time"),
+                    "{name} {bound} {year}: {err}"
+                );
+            }
+        }
         // View drift is a state of the current views, not of a time.
         for bound in ["--since", "--until"] {
             let o = run(url, &["audit", "anomalies", "view-drift", bound, after_row]);

@@ -1334,6 +1334,258 @@ fn a_path_that_holds_no_session_store_is_refused_and_left_alone() {
     assert_eq!(stdout(&out).lines().count(), 7, "{}", stderr(&out));
 }
 
+/// The binary on `url` with `args` and `stdin`, its temporary files made
+/// in `tmp`.
+fn run_with_tmp(url: &str, args: &[&str], stdin: &str, tmp: &std::path::Path) -> Output {
+    common::run_bin(url, args, stdin, &[("TMPDIR", tmp.as_os_str())])
+}
+
+#[test]
+fn a_write_refused_at_a_path_with_no_store_makes_no_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let tmp = dir.path().join("tmp");
+    std::fs::create_dir(&tmp).unwrap();
+    let path = |name: &str| dir.path().join(name).display().to_string();
+    let started = r#"{"type":"session_started","mode":"agent"}"#;
+    let first = with_session(started);
+    // A result whose call was never stored: refused by what the store
+    // knows (SEMANTICS §4), not by the line's shape.
+    let orphan = r#"{"type":"tool_result","call_id":"nope","tool_name":"Read","status":"success","output":"x"}"#;
+    let refused: Vec<(Vec<&str>, String, i32, &str)> = vec![
+        (
+            vec!["import"],
+            "not json\n".to_owned(),
+            1,
+            "line 1: malformed JSON",
+        ),
+        (
+            vec!["import"],
+            format!("{}\n", with_session(orphan)),
+            1,
+            "line 1:",
+        ),
+        (
+            vec!["import", "--format", "pi"],
+            "not json\n".to_owned(),
+            1,
+            "line 1",
+        ),
+        (
+            vec!["append", S, "--expected-seq", "3"],
+            format!("{started}\n"),
+            3,
+            "expected seq 3, but the session is at seq 0",
+        ),
+        (
+            vec!["append", S, "--expected-seq", "0"],
+            format!("{orphan}\n"),
+            1,
+            "line 1:",
+        ),
+        (
+            vec!["append", S, "--expected-seq", "0"],
+            format!("{started}\n{{\n"),
+            1,
+            "line 2: malformed JSON",
+        ),
+        (
+            vec![
+                "append",
+                S,
+                "--expected-seq",
+                "0",
+                "--max-batch-events",
+                "1",
+            ],
+            format!("{started}\n{started}\n"),
+            1,
+            "more than 1 events",
+        ),
+    ];
+    for (i, (args, input, code, says)) in refused.iter().enumerate() {
+        let at = path(&format!("refused-{i}.db"));
+        let out = run_with_tmp(&at, args, input, &tmp);
+        assert_eq!(out.status.code(), Some(*code), "{args:?}: {}", stderr(&out));
+        assert!(stderr(&out).contains(says), "{args:?}: {}", stderr(&out));
+        assert!(
+            !std::path::Path::new(&at).exists(),
+            "case {i}, {args:?}, made a store"
+        );
+    }
+    // A path where no store can be made is said so before its input is
+    // judged.
+    let out = run_with_tmp(&path("missing/s.db"), &["import"], "not json\n", &tmp);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("the directory") && stderr(&out).contains("does not exist"),
+        "{}",
+        stderr(&out)
+    );
+    // The input was judged on a throw-away store, which is gone.
+    assert_eq!(
+        std::fs::read_dir(&tmp).unwrap().count(),
+        0,
+        "left in TMPDIR"
+    );
+    // Where no throw-away store can be made, the store judges as before:
+    // the same answer, with the new store left behind.
+    let at = path("no-tmp.db");
+    let out = run_with_tmp(
+        &at,
+        &["append", S, "--expected-seq", "0"],
+        orphan,
+        &dir.path().join("none"),
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(stderr(&out).contains("line 1:"), "{}", stderr(&out));
+    assert!(std::path::Path::new(&at).exists());
+    // A write that stores its first lines makes the store, and keeps them.
+    let at = path("partly.db");
+    let input = format!("{first}\n{}\n", with_session(orphan));
+    let out = run_with_tmp(&at, &["import"], &input, &tmp);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(stderr(&out).contains("line 2:"), "{}", stderr(&out));
+    let out = run(&at, &["history", S, "--json"], None);
+    assert_eq!(stdout(&out).lines().count(), 1, "{}", stderr(&out));
+    // Writes that succeed make a store, even of nothing.
+    for (i, (args, input)) in [
+        (vec!["import"], String::new()),
+        (vec!["append", S, "--expected-seq", "0"], String::new()),
+        (
+            vec!["append", S, "--expected-seq", "0"],
+            format!("{started}\n"),
+        ),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let at = path(&format!("made-{i}.db"));
+        let out = run_with_tmp(&at, args, input, &tmp);
+        assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+        let out = run(&at, &["history", S, "--json"], None);
+        let seqs = stdout(&out).lines().count();
+        match out.status.code() {
+            Some(0) => assert_eq!(seqs, 1, "{args:?}"),
+            _ => assert!(
+                stderr(&out).contains("not found"),
+                "{args:?}: {}",
+                stderr(&out)
+            ),
+        }
+    }
+    assert_eq!(
+        std::fs::read_dir(&tmp).unwrap().count(),
+        0,
+        "left in TMPDIR"
+    );
+}
+
+/// How many events `audit events --tenant TENANT` finds.
+fn tenants_events(url: &str, tenant: &str) -> usize {
+    let out = run(
+        url,
+        &["audit", "events", "--tenant", tenant, "--json"],
+        None,
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let page: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    page["events"].as_array().unwrap().len()
+}
+
+/// `import --tenant` and `append --tenant` write on behalf of a tenant:
+/// what they create is the tenant's (its tokens see it), another tenant's
+/// session is refused unchanged, and a store moved by export and import
+/// keeps its sessions' tenants (a review moved a store and every session
+/// became the tenant `default`'s, so their tenants' tokens answered 404).
+#[test]
+fn writes_for_a_tenant_claim_their_sessions_and_refuse_others() {
+    for (backend, db) in backends() {
+        let url = db.url.as_str();
+        let out = run(url, &["import", "--tenant", "acme"], Some(&base_log()));
+        assert!(out.status.success(), "{backend}: {}", stderr(&out));
+        assert_eq!(tenants_events(url, "acme"), 7, "{backend}");
+        assert_eq!(tenants_events(url, "default"), 0, "{backend}");
+        let prompt = r#"{"type":"prompt_submitted","text":"three"}"#;
+        let refused = [
+            (
+                vec!["append", S, "--expected-seq", "7", "--tenant", "globex"],
+                prompt.to_owned(),
+            ),
+            (vec!["import", "--tenant", "globex"], with_session(prompt)),
+        ];
+        for (args, input) in refused {
+            let out = run(url, &args, Some(&input));
+            assert_eq!(
+                out.status.code(),
+                Some(1),
+                "{backend} {args:?}: {}",
+                stderr(&out)
+            );
+            assert!(
+                stderr(&out).contains(&format!(
+                    "session {S} belongs to another tenant than \"globex\"; nothing of it was written"
+                )),
+                "{backend} {args:?}: {}",
+                stderr(&out)
+            );
+            assert_eq!(tenants_events(url, "acme"), 7, "{backend}");
+            assert_eq!(tenants_events(url, "globex"), 0, "{backend}");
+        }
+        let out = run(
+            url,
+            &["append", S, "--expected-seq", "7", "--tenant", "acme"],
+            Some(prompt),
+        );
+        assert!(out.status.success(), "{backend}: {}", stderr(&out));
+        assert_eq!(tenants_events(url, "acme"), 8, "{backend}");
+        let out = run(url, &["import", "--tenant", ""], Some(""));
+        assert_eq!(out.status.code(), Some(2), "{backend}: {}", stderr(&out));
+        // Moved: exported, and imported for its tenant into a new store.
+        let export = run(url, &["export", S], None);
+        assert!(export.status.success(), "{backend}: {}", stderr(&export));
+        let moved = common::sqlite_db();
+        let out = run(
+            &moved.url,
+            &["import", "--tenant", "acme"],
+            Some(&stdout(&export)),
+        );
+        assert!(out.status.success(), "{backend}: {}", stderr(&out));
+        assert_eq!(tenants_events(&moved.url, "acme"), 8, "{backend}");
+        // A pi file too.
+        let pi = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/pi/plain.jsonl");
+        let out = run(
+            &moved.url,
+            &["import", "--format", "pi", "--tenant", "globex", pi],
+            None,
+        );
+        assert!(out.status.success(), "{backend}: {}", stderr(&out));
+        assert!(tenants_events(&moved.url, "globex") > 0, "{backend}");
+        // The same file, and one whose events differ from the stored
+        // ones: the tenant is judged first, and the other tenant's events
+        // are not described.
+        let edited = tempfile::NamedTempFile::new().unwrap();
+        let text = std::fs::read_to_string(pi).unwrap();
+        std::fs::write(
+            edited.path(),
+            text.replacen("List the files in src", "List the files in lib", 1),
+        )
+        .unwrap();
+        for file in [pi, edited.path().to_str().unwrap()] {
+            let out = run(
+                &moved.url,
+                &["import", "--format", "pi", "--tenant", "acme", file],
+                None,
+            );
+            assert_eq!(out.status.code(), Some(1), "{backend}: {}", stderr(&out));
+            assert!(
+                stderr(&out).contains("belongs to another tenant than \"acme\""),
+                "{backend}: {}",
+                stderr(&out)
+            );
+        }
+    }
+}
+
 #[test]
 fn input_lines_skip_blank_lines_of_any_length_and_number_the_rest() {
     use session_store::cli::InputLines;

@@ -249,7 +249,7 @@ fn full_disk_during_import(
         );
         // The group's failure wraps the cause once.
         assert!(
-            stderr.matches("committed in failed").count() <= 1,
+            stderr.matches("was written in failed").count() <= 1,
             "{stderr}"
         );
         // Every event the import said it stored is stored, and no other.

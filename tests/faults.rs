@@ -150,7 +150,7 @@ async fn notifications_reach_another_instance(url: &str, kill: bool) -> Vec<Dura
             let admin = sqlx::PgPool::connect(url).await.unwrap();
             let killed: Vec<(bool,)> = sqlx::query_as(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-                 WHERE query ILIKE 'LISTEN%' AND pid <> pg_backend_pid()",
+                 WHERE application_name = 'session-store listener' AND pid <> pg_backend_pid()",
             )
             .fetch_all(&admin)
             .await
@@ -226,6 +226,58 @@ async fn postgres_notifications_survive_a_killed_listener() {
         lat[lat.len() - 1]
     );
     assert!(lat[lat.len() / 2] < Duration::from_secs(1));
+}
+
+/// A listening connection that stops answering without a word (its
+/// backend stopped, as a firewall's dropped connection looks) brings no
+/// notification and no error: it is found by a ping and replaced, and the
+/// waiters read again within seconds, not at their 10 s safety read (a
+/// review measured 9.4 s before the ping).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_listener_that_stops_answering_is_replaced() {
+    let Some(db) = common::postgres_db() else {
+        return;
+    };
+    let store = Store::open(&db.url).await.unwrap();
+    let other = Store::open(&db.url).await.unwrap();
+    let s = Uuid::new_v4();
+    store.append(s, 0, vec![started()]).await.unwrap();
+    let mut watch = store.watch().await.unwrap();
+    let admin = sqlx::PgPool::connect(&db.url).await.unwrap();
+    let pid: i32 = sqlx::query_scalar(
+        "SELECT pid FROM pg_stat_activity WHERE application_name = 'session-store listener' \
+         AND datname = current_database()",
+    )
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    let signal = |sig: &str| {
+        let ok = std::process::Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill {sig} {pid}");
+    };
+    signal("-STOP");
+    let started_at = Instant::now();
+    let appending = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        other
+            .append(s, 1, vec![prompt("while the listener is stopped")])
+            .await
+    };
+    let (head, appended) = tokio::join!(
+        tokio::time::timeout(
+            Duration::from_secs(20),
+            watch.wait_past(s, 1, Duration::MAX)
+        ),
+        appending
+    );
+    let waited = started_at.elapsed();
+    signal("-CONT");
+    appended.unwrap();
+    assert_eq!(head.expect("woken").unwrap(), Some(2));
+    assert!(waited < Duration::from_secs(7), "woken after {waited:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1662,13 +1714,28 @@ async fn postgres_a_begin_given_up_on_leaves_no_transaction_behind() {
         }
     }
     let admin = sqlx::PgPool::connect(&server.url()).await.unwrap();
-    let in_tx: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM pg_stat_activity WHERE state LIKE 'idle in transaction%'",
-    )
-    .fetch_one(&admin)
-    .await
-    .unwrap();
-    assert_eq!(in_tx, 0, "connections left idle in a transaction");
+    // A connection the store closed may show for a moment as idle in the
+    // transaction its late `BEGIN` opened, until its backend reads the
+    // close (seen once in CI, under load); one the store kept would stay
+    // so until idle_in_transaction_session_timeout (30 s). Watched for
+    // 5 s: left means still there then.
+    let settled = Instant::now();
+    loop {
+        let in_tx: Vec<(i32, Option<String>)> = sqlx::query_as(
+            "SELECT pid, query FROM pg_stat_activity WHERE state LIKE 'idle in transaction%'",
+        )
+        .fetch_all(&admin)
+        .await
+        .unwrap();
+        if in_tx.is_empty() {
+            break;
+        }
+        assert!(
+            settled.elapsed() < Duration::from_secs(5),
+            "connections left idle in a transaction: {in_tx:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let fresh = Store::open(&server.url()).await.unwrap();
     assert_eq!(fresh.head_seq(session).await.unwrap(), 13);
 }

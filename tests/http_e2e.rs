@@ -125,7 +125,7 @@ async fn two_instances_share_one_postgres() {
     let Some(db) = common::postgres_db() else {
         return;
     };
-    let a = Instance::start(&db.url);
+    let mut a = Instance::start(&db.url);
     let b = Instance::start(&db.url);
     let client = reqwest::Client::new();
     let id = Uuid::new_v4();
@@ -228,6 +228,24 @@ async fn two_instances_share_one_postgres() {
             .unwrap();
         assert_eq!(r.status(), 401);
     }
+
+    // SIGHUP (an operator's "reload") is ignored, not a way down: by
+    // default it ended the process at once, without the graceful
+    // shutdown.
+    let pid = a.child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-HUP", &pid])
+        .status()
+        .unwrap()
+        .success());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(a.child.try_wait().unwrap().is_none(), "SIGHUP ended serve");
+    let r = client
+        .get(format!("{}/healthz", a.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
 
     // Both shut down cleanly on SIGTERM.
     assert!(a.stop().success());

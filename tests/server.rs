@@ -1681,6 +1681,120 @@ async fn a_client_that_shuts_its_side_after_the_request_still_gets_the_answer() 
     stop_serving(stop, serving, "shutdown").await;
 }
 
+/// The token is judged before the body is read: a client without one (or
+/// with a bad one) is answered 401 at once, even if its body never comes,
+/// instead of holding the connection and the server's memory until the
+/// request timeout. A body that does come in pieces of a byte is read
+/// whole (each piece is copied as it comes: kept as they came, pieces held
+/// a read buffer each).
+#[tokio::test]
+async fn the_token_is_judged_before_the_body_and_a_body_in_tiny_pieces_is_read() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let store = store_in(&dir).await;
+    let server = Server::new(store.clone(), with_tokens());
+    let (addr, stop, serving) = serve_until_stopped(server).await;
+    let head = |s: Uuid, auth: &str, len: usize| {
+        format!(
+            "POST /v1/sessions/{s}/events HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\nContent-Length: {len}\r\n\r\n"
+        )
+    };
+    for auth in ["", "Authorization: Bearer not-a-token-of-this-server\r\n"] {
+        let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+        conn.write_all(head(Uuid::new_v4(), auth, 1000).as_bytes())
+            .await
+            .unwrap();
+        let mut answer = [0u8; 12];
+        tokio::time::timeout(Duration::from_secs(5), conn.read_exact(&mut answer))
+            .await
+            .unwrap_or_else(|_| panic!("{auth:?}: no answer before the body"))
+            .unwrap();
+        assert_eq!(&answer, b"HTTP/1.1 401", "{auth:?}");
+    }
+    let s = Uuid::new_v4();
+    let body = r#"{"expected_seq":0,"events":[{"type":"session_started","mode":"agent"}]}"#;
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    conn.set_nodelay(true).unwrap();
+    let auth = format!("Authorization: Bearer {A_WRITER}\r\n");
+    conn.write_all(head(s, &auth, body.len()).as_bytes())
+        .await
+        .unwrap();
+    for byte in body.as_bytes() {
+        conn.write_all(std::slice::from_ref(byte)).await.unwrap();
+        conn.flush().await.unwrap();
+        tokio::time::sleep(Duration::from_micros(200)).await;
+    }
+    let mut answer = [0u8; 12];
+    tokio::time::timeout(Duration::from_secs(10), conn.read_exact(&mut answer))
+        .await
+        .expect("answered")
+        .unwrap();
+    assert_eq!(&answer, b"HTTP/1.1 201");
+    assert_eq!(store.history(s, 0, 10).await.unwrap().len(), 1);
+    stop_serving(stop, serving, "shutdown").await;
+}
+
+/// A stream whose client hangs up (here with a reset) gives its
+/// connection back within a keep-alive period (5 s): at 15 s, a client
+/// opening and dropping streams held every slot and made others wait.
+#[tokio::test]
+async fn a_stream_whose_client_hangs_up_is_gone_within_a_keep_alive_period() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let store = store_in(&dir).await;
+    let s = Uuid::new_v4();
+    let started = session_store::NewEvent::new(session_store::EventBody::SessionStarted {
+        mode: "agent".into(),
+        metadata: None,
+    });
+    store.append(s, 0, vec![started]).await.unwrap();
+    let server = Server::new(store.clone(), ServerConfig::default());
+    let (addr, stop, serving) = serve_until_stopped(server).await;
+    let open_streams = || async move {
+        let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+        conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut text = String::new();
+        conn.read_to_string(&mut text).await.unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix("session_store_open_streams "))
+            .and_then(|v| v.trim().parse::<i64>().ok())
+            .unwrap_or_else(|| panic!("no open_streams in {text}"))
+    };
+    let mut streams = Vec::new();
+    for _ in 0..5 {
+        let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+        conn.write_all(
+            format!("GET /v1/sessions/{s}/stream HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes(),
+        )
+        .await
+        .unwrap();
+        let mut first = [0u8; 12];
+        conn.read_exact(&mut first).await.unwrap();
+        assert_eq!(&first, b"HTTP/1.1 200");
+        streams.push(conn);
+    }
+    assert_eq!(open_streams().await, 5);
+    let dropped = std::time::Instant::now();
+    for conn in streams {
+        // A zero linger resets the connection on drop; it does not block
+        // (what the deprecation is about).
+        #[allow(deprecated)]
+        conn.set_linger(Some(Duration::ZERO)).unwrap();
+        drop(conn);
+    }
+    while open_streams().await > 0 {
+        assert!(
+            dropped.elapsed() < Duration::from_secs(9),
+            "streams still open {:?} after their clients reset them",
+            dropped.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    stop_serving(stop, serving, "shutdown").await;
+}
+
 /// A body cut short (the client closes its side before sending all of
 /// its Content-Length) is answered 400 in the store's words, and nothing
 /// is stored.

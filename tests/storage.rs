@@ -1068,6 +1068,65 @@ async fn sqlite_reads_never_wait_for_another_processs_writer() {
 }
 
 both_backends!(
+    an_append_wakes_only_the_waiters_of_its_session,
+    |url: String| async move {
+        // A review's 1 000 idle streams each read the log again after every
+        // append to any session (185 PostgreSQL transactions an append)
+        // and once a second. Waiters on session a are not woken by appends
+        // to b, through another store of the same database, and are by
+        // one to a.
+        let store = std::sync::Arc::new(Store::open(&url).await.unwrap());
+        let other = Store::open(&url).await.unwrap();
+        let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+        store.append(a, 0, vec![started()]).await.unwrap();
+        other.append(b, 0, vec![started()]).await.unwrap();
+        let waiters = 20;
+        let mut tasks = Vec::new();
+        for _ in 0..waiters {
+            let store = store.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut watch = store.watch().await.unwrap();
+                watch
+                    .wait_past(a, 1, std::time::Duration::from_secs(30))
+                    .await
+            }));
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while store.waiter_reads() < waiters {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "waiters did not start"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let before = store.waiter_reads();
+        for seq in 1..=10 {
+            other
+                .append(b, seq, vec![prompt("not for a")])
+                .await
+                .unwrap();
+            // Past SQLite's poll, so that each is seen alone.
+            tokio::time::sleep(std::time::Duration::from_millis(40)).await;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        assert_eq!(
+            store.waiter_reads(),
+            before,
+            "waiters on a read again for appends to b"
+        );
+        other.append(a, 1, vec![prompt("for a")]).await.unwrap();
+        for task in tasks {
+            let head = tokio::time::timeout(std::time::Duration::from_secs(5), task)
+                .await
+                .expect("woken by the append to a")
+                .unwrap()
+                .unwrap();
+            assert_eq!(head, Some(2));
+        }
+    }
+);
+
+both_backends!(
     every_waiter_of_a_store_shares_one_source_of_wakeups,
     |url: String| async move {
         // Waiters used to have one each: a PostgreSQL connection per HTTP
@@ -1087,7 +1146,7 @@ both_backends!(
         if url.starts_with("postgres") {
             let pool = sqlx::PgPool::connect(&url).await.unwrap();
             let listening: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity WHERE query ILIKE 'LISTEN%' AND datname = current_database()",
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'session-store listener' AND datname = current_database()",
             )
             .fetch_one(&pool)
             .await

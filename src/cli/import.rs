@@ -379,7 +379,8 @@ pub async fn import(
     lines: impl IntoIterator<Item = Result<(usize, String), CliError>>,
     max_bytes: usize,
 ) -> Result<ImportSummary, CliError> {
-    import_fed(store, Feed::Lines(lines.into_iter()), max_bytes).await
+    let mut target = WriteTarget::of(store);
+    import_fed(&mut target, Feed::Lines(lines.into_iter()), max_bytes).await
 }
 
 /// How long `import` waits for the next line of its input before it
@@ -391,8 +392,8 @@ pub const IMPORT_IDLE: std::time::Duration = std::time::Duration::from_millis(20
 /// stored when the input has nothing more for [`IMPORT_IDLE`] (a
 /// producer that pauses), not only at 500 lines of one session, another
 /// session or the end. At most one run of lines is read ahead.
-pub async fn import_piped(
-    store: &Store,
+pub(crate) async fn import_piped(
+    target: &mut WriteTarget<'_>,
     lines: impl Iterator<Item = Result<(usize, String), CliError>> + Send + 'static,
     max_bytes: usize,
 ) -> Result<ImportSummary, CliError> {
@@ -406,7 +407,7 @@ pub async fn import_piped(
             }
         }
     });
-    import_fed(store, Feed::<std::iter::Empty<_>>::Piped(rx), max_bytes).await
+    import_fed(target, Feed::<std::iter::Empty<_>>::Piped(rx), max_bytes).await
 }
 
 type InputLine = Result<(usize, String), CliError>;
@@ -444,12 +445,12 @@ impl<I: Iterator<Item = InputLine>> Feed<I> {
 }
 
 async fn import_fed<I: Iterator<Item = InputLine>>(
-    store: &Store,
+    target: &mut WriteTarget<'_>,
     feed: Feed<I>,
     max_bytes: usize,
 ) -> Result<ImportSummary, CliError> {
     let mut summary = ImportSummary::default();
-    match import_into(store, feed, max_bytes, &mut summary).await {
+    match import_into(target, feed, max_bytes, &mut summary).await {
         Ok(()) => Ok(summary),
         // The lines before the bad one are stored (§9): say how many, so
         // the user knows what a re-run will find.
@@ -463,7 +464,7 @@ async fn import_fed<I: Iterator<Item = InputLine>>(
 }
 
 async fn import_into<I: Iterator<Item = InputLine>>(
-    store: &Store,
+    target: &mut WriteTarget<'_>,
     mut feed: Feed<I>,
     max_bytes: usize,
     summary: &mut ImportSummary,
@@ -478,7 +479,14 @@ async fn import_into<I: Iterator<Item = InputLine>>(
             Fed::End => break,
             Fed::Idle => {
                 if let Some(s) = batch_session.take() {
-                    flush(store, s, std::mem::take(&mut batch), &mut sessions, summary).await?;
+                    flush(
+                        target,
+                        s,
+                        std::mem::take(&mut batch),
+                        &mut sessions,
+                        summary,
+                    )
+                    .await?;
                 }
                 continue;
             }
@@ -489,7 +497,14 @@ async fn import_into<I: Iterator<Item = InputLine>>(
             Ok(p) => p,
             Err(error) => {
                 if let Some(s) = batch_session.take() {
-                    flush(store, s, std::mem::take(&mut batch), &mut sessions, summary).await?;
+                    flush(
+                        target,
+                        s,
+                        std::mem::take(&mut batch),
+                        &mut sessions,
+                        summary,
+                    )
+                    .await?;
                 }
                 return Err(error);
             }
@@ -506,7 +521,14 @@ async fn import_into<I: Iterator<Item = InputLine>>(
             || repeats
         {
             if let Some(s) = batch_session {
-                flush(store, s, std::mem::take(&mut batch), &mut sessions, summary).await?;
+                flush(
+                    target,
+                    s,
+                    std::mem::take(&mut batch),
+                    &mut sessions,
+                    summary,
+                )
+                .await?;
             }
             batch_session = Some(session);
             batch_bytes = 0;
@@ -515,7 +537,7 @@ async fn import_into<I: Iterator<Item = InputLine>>(
         batch_bytes += bytes;
     }
     if let Some(s) = batch_session {
-        flush(store, s, batch, &mut sessions, summary).await?;
+        flush(target, s, batch, &mut sessions, summary).await?;
     }
     summary.sessions = sessions.len();
     info!(
@@ -530,7 +552,7 @@ async fn import_into<I: Iterator<Item = InputLine>>(
 /// prefix is appended and the bad line reported; a batch that is partly
 /// stored already (an import re-run after a stop) goes line by line.
 async fn flush(
-    store: &Store,
+    target: &mut WriteTarget<'_>,
     session: Uuid,
     batch: Vec<(usize, NewEvent)>,
     sessions: &mut HashSet<Uuid>,
@@ -545,11 +567,11 @@ async fn flush(
         first_line = batch[0].0,
         "import: appending a batch"
     );
-    match append_at_head(store, session, &batch, sessions, summary).await {
+    match append_at_head(target, session, &batch, sessions, summary).await {
         Ok(()) => Ok(()),
         Err(Error::Invalid(v)) if v.rule == Rule::PartlyStoredBatch => {
             for one in batch.chunks(1) {
-                append_at_head(store, session, one, sessions, summary)
+                append_at_head(target, session, one, sessions, summary)
                     .await
                     .map_err(|e| at_line(e, &[one[0].0]))?;
             }
@@ -559,7 +581,7 @@ async fn flush(
             let bad = v.index.unwrap_or(0).min(batch.len() - 1);
             if bad > 0 {
                 Box::pin(flush(
-                    store,
+                    target,
                     session,
                     batch[..bad].to_vec(),
                     sessions,
@@ -584,14 +606,14 @@ async fn flush(
 }
 
 async fn append_at_head(
-    store: &Store,
+    target: &mut WriteTarget<'_>,
     session: Uuid,
     batch: &[(usize, NewEvent)],
     sessions: &mut HashSet<Uuid>,
     summary: &mut ImportSummary,
 ) -> Result<(), Error> {
     let events: Vec<NewEvent> = batch.iter().map(|(_, e)| e.clone()).collect();
-    let outcome = store
+    let outcome = target
         .append_at_head(session, events, &RetryPolicy::default())
         .await?;
     sessions.insert(session);
@@ -613,6 +635,17 @@ pub async fn import_pi(
     spool: &PiSpool,
     max_bytes: usize,
 ) -> Result<ImportSummary, CliError> {
+    import_pi_into(&mut WriteTarget::of(store), tree, spool, max_bytes).await
+}
+
+/// [`import_pi`] into `target`: a file the judging pass refuses is refused
+/// without opening a store that is not there yet (`target.rs`).
+pub(crate) async fn import_pi_into(
+    target: &mut WriteTarget<'_>,
+    tree: &crate::pi::PiTree,
+    spool: &PiSpool,
+    max_bytes: usize,
+) -> Result<ImportSummary, CliError> {
     // Another import of the same file (or of a longer one) may append
     // between the read of the session and an append: the append then
     // conflicts, or finds part of its batch stored, and is judged again
@@ -620,7 +653,7 @@ pub async fn import_pi(
     let mut attempts = 0;
     loop {
         attempts += 1;
-        match import_pi_once(store, tree, spool, max_bytes).await {
+        match import_pi_once(target, tree, spool, max_bytes).await {
             Err(PiAttempt::Raced(_)) if attempts < 5 => {
                 tracing::debug!(session = %tree.session_id(), attempts, "pi import raced another writer; judged again");
             }
@@ -663,13 +696,31 @@ const PI_RUN: usize = 1_000;
 /// time, each event against the session as it stands before it), without
 /// writing; the second writes the rest in runs of [`PI_RUN`].
 async fn import_pi_once(
-    store: &Store,
+    target: &mut WriteTarget<'_>,
     tree: &crate::pi::PiTree,
     spool: &PiSpool,
     max_bytes: usize,
 ) -> Result<ImportSummary, PiAttempt> {
     let id = tree.session_id();
+    // The judging pass's reads (the throw-away store where the store is
+    // not there yet, which holds nothing as it does).
+    let tenant = target.tenant().map(str::to_owned);
+    let store = target.reader().await?;
     let head = store.head_seq(id).await?;
+    // For a tenant, whose the session is comes first (as for an append,
+    // SEMANTICS §2's order): another tenant's session is refused before
+    // its events are compared with the file's. An empty append at the
+    // head judges it and writes nothing.
+    if let Some(tenant) = &tenant {
+        if let Err(Error::SessionNotFound(session_id)) =
+            store.append_as(Some(tenant), id, head, Vec::new()).await
+        {
+            return Err(PiAttempt::Failed(CliError::Store(Error::OtherTenant {
+                session_id,
+                tenant: tenant.clone(),
+            })));
+        }
+    }
     let different = |seq: i64, what: String| {
         PiAttempt::Failed(CliError::Input(format!(
             "session {id} already holds events this file does not produce (seq {seq}: {what}); \
@@ -792,6 +843,8 @@ async fn import_pi_once(
         replayed: head as usize,
         sessions: 1,
     };
+    // The writes, to the store itself.
+    let store = target.store().await?;
     let mut events = tree.events(spool.lines()?).skip(head as usize).peekable();
     let mut at = head;
     // The size of a converted event as its run weighs it (an error ends
@@ -813,7 +866,14 @@ async fn import_pi_once(
             break;
         }
         let batch = run.iter().map(|e| e.event.clone()).collect();
-        let outcome = store.append(id, at, batch).await.map_err(|e| match e {
+        let appended = store.append_as(tenant.as_deref(), id, at, batch).await;
+        let outcome = appended.map_err(|e| match e {
+            Error::SessionNotFound(session_id) if tenant.is_some() => {
+                PiAttempt::Failed(CliError::Store(Error::OtherTenant {
+                    session_id,
+                    tenant: tenant.clone().unwrap_or_default(),
+                }))
+            }
             Error::Conflict { .. } => PiAttempt::Raced(e.into()),
             Error::Invalid(v) if v.rule == Rule::PartlyStoredBatch => {
                 PiAttempt::Raced(Error::Invalid(v).into())

@@ -22,11 +22,12 @@ use crate::store::{RetryPolicy, Store, StoreOptions};
 use crate::validate::DEFAULT_MAX_EVENT_BYTES;
 
 mod import;
+mod target;
 
+use import::import_piped;
 use import::{at_line, open_input, parse_input_line};
-pub use import::{
-    import, import_pi, import_piped, ImportSummary, InputLines, PiSpool, IMPORT_IDLE,
-};
+pub use import::{import, import_pi, ImportSummary, InputLines, PiSpool, IMPORT_IDLE};
+use target::WriteTarget;
 
 /// Event-sourced session store for AI agent sidecars.
 #[derive(Debug, Parser)]
@@ -87,6 +88,15 @@ pub enum Command {
         format: ImportFormat,
         /// The file; standard input without it or with `-`.
         file: Option<PathBuf>,
+        /// Write on behalf of TENANT (a tenant of the HTTP API's tokens,
+        /// docs/api.md): the sessions this creates are claimed for it, so
+        /// that its tokens see them, and a session another tenant owns is
+        /// refused (exit 1). Without it the writes are the operator's,
+        /// neither checked nor claimed: their new sessions are the tenant
+        /// `default`'s. How a store moves with its tenants:
+        /// docs/operations.md.
+        #[arg(long, value_parser = parse_tenant)]
+        tenant: Option<String>,
 
         /// Seconds one write (a batch) may take before the command exits 4
         /// saying it could not be confirmed stored: a database that stops
@@ -103,6 +113,15 @@ pub enum Command {
         expected_seq: i64,
         /// The JSON-lines file; standard input without it or with `-`.
         file: Option<PathBuf>,
+        /// Write on behalf of TENANT (a tenant of the HTTP API's tokens,
+        /// docs/api.md): the sessions this creates are claimed for it, so
+        /// that its tokens see them, and a session another tenant owns is
+        /// refused (exit 1). Without it the writes are the operator's,
+        /// neither checked nor claimed: their new sessions are the tenant
+        /// `default`'s. How a store moves with its tenants:
+        /// docs/operations.md.
+        #[arg(long, value_parser = parse_tenant)]
+        tenant: Option<String>,
         /// Seconds one write (a batch) may take before the command exits 4
         /// saying it could not be confirmed stored: a database that stops
         /// answering is said, not waited on without end.
@@ -305,10 +324,10 @@ pub struct ScopeArgs {
     #[arg(long)]
     pub session: Option<String>,
     /// Only rows recorded at or after this time (RFC 3339).
-    #[arg(long, value_parser = parse_time)]
+    #[arg(long, value_parser = parse_time, allow_hyphen_values = true)]
     pub since: Option<chrono::DateTime<chrono::Utc>>,
     /// Only rows recorded before this time (RFC 3339).
-    #[arg(long, value_parser = parse_time)]
+    #[arg(long, value_parser = parse_time, allow_hyphen_values = true)]
     pub until: Option<chrono::DateTime<chrono::Utc>>,
     /// Rows per page (1 to 1000).
     #[arg(long, default_value_t = 100, allow_negative_numbers = true, value_parser = clap::value_parser!(i64).range(1..=crate::store::query::MAX_PAGE))]
@@ -536,10 +555,11 @@ fn store_exit_code(e: &Error) -> i32 {
         | Error::OutcomeUnknown(_)
         | Error::Database(_)
         | Error::Corrupt(_) => 4,
-        Error::BadUrl(_) => 2,
+        Error::BadUrl(_) | Error::UrlRefused { .. } => 2,
         Error::Invalid(_)
         | Error::NotAStore(_)
         | Error::SessionNotFound(_)
+        | Error::OtherTenant { .. }
         | Error::SeqOutOfRange { .. }
         | Error::PromptOutOfRange { .. } => 1,
     }
@@ -712,8 +732,26 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
         }
         _ => None,
     };
-    let store = Store::open_with(&cli.database, options).await?;
-    let result = run_on(&store, cli.command, cli.max_event_bytes, input, out).await;
+    let (result, target) = match input {
+        // The writes: the store is opened at their first write
+        // (`target.rs`).
+        Some(input) => {
+            let tenant = match &cli.command {
+                Command::Import { tenant, .. } | Command::Append { tenant, .. } => tenant.clone(),
+                _ => None,
+            };
+            let mut target = WriteTarget::open(&cli.database, options)
+                .await?
+                .for_tenant(tenant);
+            let result = run_write(&mut target, cli.command, cli.max_event_bytes, input, out).await;
+            (result, target)
+        }
+        None => {
+            let store = Store::open_with(&cli.database, options).await?;
+            let result = run_on(&store, cli.command, out).await;
+            (result, WriteTarget::owning(store))
+        }
+    };
     // Closing waits for the writer connection, which after a write that
     // timed out may still be inside SQLite's wait for another process's
     // lock (10 s) or a stalled database: the command's answer is given,
@@ -727,10 +765,19 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
         Err(e) if e.exit_code() == 4 => unavailable,
         _ => write_timeout.map_or(cli.read_timeout, |w| w.min(cli.read_timeout)),
     };
-    if tokio::time::timeout(bound, store.close()).await.is_err() {
-        tracing::debug!("the store did not close within its timeout; exiting without waiting");
-    }
+    target.close(bound).await;
     result
+}
+
+/// `--tenant`: as a token document's tenant (docs/api.md).
+fn parse_tenant(s: &str) -> Result<String, String> {
+    if s.is_empty() || s.len() > 200 || s.chars().any(char::is_control) {
+        return Err(format!(
+            "{} is not a tenant: 1 to 200 bytes of UTF-8 without control characters",
+            crate::error::quoted(s)
+        ));
+    }
+    Ok(s.to_owned())
 }
 
 /// `--listen`: an IP and port, or a host name and port resolved to its
@@ -849,6 +896,7 @@ async fn serve(
         crate::store::BackendKind::Sqlite => "SQLite",
         crate::store::BackendKind::Postgres => "PostgreSQL",
     };
+    let signal = shutdown_signal();
     // A banner nobody reads (stdout closed, as under some supervisors)
     // does not stop the server: it serves on, and says why in the log.
     let banner = writeln!(out, "listening on http://{addr} ({kind} store, {auth})")
@@ -861,7 +909,7 @@ async fn serve(
     info!(%addr, "serving");
     let server = Server::new(store.clone(), config);
     let result = server
-        .serve(listener, shutdown_signal())
+        .serve(listener, signal)
         .await
         .map_err(|e| CliError::Io(format!("the server failed: {e}")));
     store.close().await;
@@ -913,57 +961,73 @@ async fn bench(args: BenchArgs, out: &mut dyn Write) -> Result<(), CliError> {
 }
 
 /// Completes on Ctrl-C or SIGTERM (what `docker stop` and systemd send).
-async fn shutdown_signal() {
+/// SIGHUP, which operators send to reload a daemon, is said and otherwise
+/// ignored: tokens are read at start only, and by default SIGHUP ended the
+/// process at once, without the graceful shutdown (docs/operations.md).
+/// The handlers are installed when this is called, not when the future is
+/// first polled: `serve` calls it before it says it listens, so that a
+/// signal sent on reading that line finds them (one sent then used to end
+/// the process about one time in two).
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     #[cfg(unix)]
-    {
+    let (mut hangup, mut term, mut interrupt) = {
         use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
+        (
+            signal(SignalKind::hangup()).ok(),
+            signal(SignalKind::terminate()).ok(),
+            signal(SignalKind::interrupt()).ok(),
+        )
+    };
+    async move {
+        #[cfg(unix)]
+        {
+            let hangups = async {
+                loop {
+                    match hangup.as_mut() {
+                        Some(h) => {
+                            h.recv().await;
+                            warn!("SIGHUP ignored: nothing is reloaded (tokens are read at start); restart the server to change them, SIGTERM to stop it");
+                        }
+                        None => std::future::pending::<()>().await,
+                    }
                 }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
+            };
+            let ended = |signal: Option<tokio::signal::unix::Signal>| async move {
+                match signal {
+                    Some(mut s) => {
+                        s.recv().await;
+                    }
+                    None => std::future::pending::<()>().await,
+                }
+            };
+            tokio::select! {
+                () = ended(term.take()) => {}
+                () = ended(interrupt.take()) => {}
+                () = hangups => {}
             }
         }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }
 
-async fn run_on(
-    store: &Store,
+/// `import` and `append`, reading `input` (which `run` opened before the
+/// store) and writing to `target`.
+async fn run_write(
+    target: &mut WriteTarget<'_>,
     command: Command,
     max_bytes: usize,
-    input: Option<Box<dyn BufRead + Send>>,
+    input: Box<dyn BufRead + Send>,
     out: &mut dyn Write,
 ) -> Result<(), CliError> {
-    // The input `run` opened for import and append (before the store);
-    // opened here if it was not.
-    let input = |file: Option<&PathBuf>| match input {
-        Some(reader) => Ok(reader),
-        None => open_input(file),
-    };
     match command {
-        Command::Serve(_) | Command::Openapi | Command::Bench(_) | Command::BenchPhase { .. } => {
-            // `run` answers these before opening a borrowed store.
-            return Err(CliError::Input(
-                "serve, openapi and bench are run by `run`, not on an open store".to_owned(),
-            ));
-        }
-        Command::Migrate => {
-            writeln!(out, "migrations applied").map_err(io)?;
-        }
         Command::Import {
             format: ImportFormat::Pi,
-            file,
             ..
         } => {
-            let spool = PiSpool::copy(input(file.as_ref())?, import::pi_line_limit(max_bytes))?;
+            let spool = PiSpool::copy(input, import::pi_line_limit(max_bytes))?;
             let tree = crate::pi::PiTree::read(spool.lines()?)?;
             if let Some(version) = tree.newer_version() {
                 let current = crate::pi::CURRENT_VERSION;
@@ -971,7 +1035,7 @@ async fn run_on(
                     "session-store: the pi session file is version {version}, newer than {current}; it is read as version {current}"
                 );
             }
-            let summary = import_pi(store, &tree, &spool, max_bytes).await?;
+            let summary = import::import_pi_into(target, &tree, &spool, max_bytes).await?;
             let dropped = match tree.off_path() {
                 0 => String::new(),
                 1 => "; 1 pi entry on another branch dropped".to_owned(),
@@ -987,11 +1051,12 @@ async fn run_on(
         }
         Command::Import {
             format: ImportFormat::Jsonl,
-            file,
             ..
         } => {
-            let lines = InputLines::new(input(file.as_ref())?, crate::event::line_limit(max_bytes));
-            let summary = import_piped(store, lines, max_bytes).await?;
+            let lines = InputLines::new(input, crate::event::line_limit(max_bytes));
+            let summary = import_piped(target, lines, max_bytes).await?;
+            // An import that succeeds leaves a store, even of nothing.
+            target.store().await?;
             let said = format!(
                 "imported {} into {} ({} already stored)",
                 count(summary.written, "event"),
@@ -1003,13 +1068,12 @@ async fn run_on(
         Command::Append {
             session,
             expected_seq,
-            file,
             max_batch_events,
             max_batch_bytes,
             ..
         } => {
             let session = parse_session(&session)?;
-            let lines = InputLines::new(input(file.as_ref())?, crate::event::line_limit(max_bytes));
+            let lines = InputLines::new(input, crate::event::line_limit(max_bytes));
             let mut events = Vec::new();
             let mut line_numbers = Vec::new();
             let mut bytes = 0usize;
@@ -1036,7 +1100,7 @@ async fn run_on(
                 if let Some((n, bound)) = past_the_bound {
                     // A line past the bound, readable or not: the expected
                     // seq first, then the bound.
-                    store.append(session, expected_seq, Vec::new()).await?;
+                    target.check_expected(session, expected_seq).await?;
                     return Err(CliError::Input(format!(
                         "line {n}: the batch holds {bound}: \
                          one append is one transaction, judged and written in memory; nothing was stored. \
@@ -1056,21 +1120,48 @@ async fn run_on(
                         // this line's (not JSON, not UTF-8, too long, not
                         // an event). Nothing is stored.
                         line_numbers.push(line);
-                        let refused = store
-                            .refuse_batch(None, session, expected_seq, events, error)
+                        let refused = target
+                            .refuse_batch(session, expected_seq, events, error)
                             .await;
                         return Err(at_line(refused, &line_numbers));
                     }
                     Err(e) => return Err(e),
                 }
             }
-            let outcome = store
+            let outcome = target
                 .append(session, expected_seq, events)
                 .await
                 .map_err(|e| at_line(e, &line_numbers))?;
             for a in &outcome.events {
                 print_json(out, a).map_err(|e| stored_unsaid(e, session, &outcome))?;
             }
+        }
+        _ => {
+            return Err(CliError::Input(
+                "only import and append are run by `run_write`".to_owned(),
+            ))
+        }
+    }
+    Ok(())
+}
+
+async fn run_on(store: &Store, command: Command, out: &mut dyn Write) -> Result<(), CliError> {
+    match command {
+        Command::Serve(_)
+        | Command::Openapi
+        | Command::Bench(_)
+        | Command::BenchPhase { .. }
+        | Command::Import { .. }
+        | Command::Append { .. } => {
+            // `run` answers these before opening a borrowed store, and
+            // the writes by `run_write`.
+            return Err(CliError::Input(
+                "serve, openapi, bench, import and append are run by `run`, not on an open store"
+                    .to_owned(),
+            ));
+        }
+        Command::Migrate => {
+            writeln!(out, "migrations applied").map_err(io)?;
         }
         Command::Context {
             session,

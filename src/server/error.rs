@@ -110,7 +110,9 @@ impl From<Error> for ApiError {
                 a.body.current_seq = Some(current);
                 a
             }
-            Error::SessionNotFound(id) => ApiError::not_found(id),
+            Error::SessionNotFound(id) | Error::OtherTenant { session_id: id, .. } => {
+                ApiError::not_found(id)
+            }
             Error::SeqOutOfRange { .. } => ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "seq_out_of_range",
@@ -157,13 +159,19 @@ impl From<Error> for ApiError {
             }
             // `NotAStore` is found when the server opens its store, before
             // it serves anything.
-            Error::BadUrl(_) | Error::NotAStore(_) | Error::Database(_) | Error::Corrupt(_) => {
+            Error::BadUrl(_)
+            | Error::UrlRefused { .. }
+            | Error::NotAStore(_)
+            | Error::Database(_)
+            | Error::Corrupt(_) => {
                 error!(cause = %e, "request failed in the store");
-                ApiError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "internal",
-                    "the store failed to answer; the server log has the cause",
-                )
+                // A role that may not write: the operator's to fix, and
+                // no secret of the server's.
+                let message = match e.to_string().contains("the database refused this role") {
+                    true => "the database refuses this server's role (it may not write, or not read, the store's tables); nothing was stored or changed; the server log has the cause",
+                    false => "the store failed to answer; the server log has the cause",
+                };
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
             }
         }
     }

@@ -23,8 +23,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::body::Bytes;
-use axum::extract::rejection::{BytesRejection, QueryRejection};
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Query, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
@@ -68,8 +67,17 @@ pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 pub const DEFAULT_PAGE: i64 = 100;
 /// The largest page size of `GET …/events`.
 pub const MAX_PAGE: i64 = 1_000;
-/// How often an idle stream sends a keep-alive comment.
-const KEEP_ALIVE: Duration = Duration::from_secs(15);
+/// How often an idle stream sends a keep-alive comment. A client that
+/// hung up is noticed only when a write to it fails (half-close is on, and
+/// a reset came through no sooner in a review's measurements), so this
+/// bounds how long a gone stream keeps its connection slot: at 15 s, 4 500
+/// streams opened and dropped by one client made another's read wait
+/// 12.6 s at the default `--max-connections`.
+const KEEP_ALIVE: Duration = Duration::from_secs(5);
+/// How long a stream waits for its session to move before it reads again
+/// anyway (the wait itself re-reads on every wake-up for the session and
+/// every 10 s, src/store/subscribe.rs).
+const STREAM_WAIT: Duration = Duration::from_secs(60);
 /// The default time a client has to send a request's headers, and the
 /// longest a kept-alive connection may sit idle.
 pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(15);
@@ -932,21 +940,40 @@ fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
-fn body_error(e: BytesRejection, limit: usize) -> ApiError {
-    if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-        ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "payload_too_large",
-            format!("the body is over the limit of {limit} bytes; send smaller batches"),
-        )
-    } else {
-        // axum's wording ("Failed to buffer the request body: error
-        // reading a body from connection") names its internals.
-        tracing::debug!(cause = %e.body_text(), "request body not read");
-        ApiError::bad_request(
-            "the body could not be read to its end: the connection closed or failed before it, or it was shorter than its Content-Length"
-                .to_owned(),
-        )
+/// Reads a request body of at most `limit` bytes into one buffer, copying
+/// each piece as it comes. hyper hands a body over in pieces that share
+/// its read buffer (8 KiB): collected as they came (axum's `Bytes`), a
+/// body sent in small TCP segments held a buffer per segment, so that 180
+/// KB sent a byte at a time held 1.3 GB until the request timed out. Read
+/// only after the request's token, scope and headers were judged, so that
+/// a client without a token is answered 401 at once, not after its body.
+async fn read_body(mut body: axum::body::Body, limit: usize) -> Result<Vec<u8>, ApiError> {
+    use hyper::body::Body as _;
+    let mut data = Vec::new();
+    loop {
+        let frame = std::future::poll_fn(|cx| std::pin::Pin::new(&mut body).poll_frame(cx)).await;
+        let piece = match frame {
+            None => return Ok(data),
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(piece) => piece,
+                Err(_) => continue, // trailers
+            },
+            Some(Err(e)) => {
+                tracing::debug!(cause = %e, "request body not read");
+                return Err(ApiError::bad_request(
+                    "the body could not be read to its end: the connection closed or failed before it, or it was shorter than its Content-Length"
+                        .to_owned(),
+                ));
+            }
+        };
+        if data.len().saturating_add(piece.len()) > limit {
+            return Err(ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "payload_too_large",
+                format!("the body is over the limit of {limit} bytes; send smaller batches"),
+            ));
+        }
+        data.extend_from_slice(&piece);
     }
 }
 
@@ -975,7 +1002,7 @@ async fn append(
     headers: HeaderMap,
     SessionPath(id): SessionPath,
     q: Params<NoQuery>,
-    body: Result<Bytes, BytesRejection>,
+    body: axum::body::Body,
 ) -> Result<Response, ApiError> {
     let principal = server.principal(&headers)?;
     principal.require(Scope::Write)?;
@@ -984,7 +1011,7 @@ async fn append(
     // (`?expected_seq=0`, say) is a mistake, not something to ignore.
     query(q)?;
     require_json(&headers)?;
-    let body = body.map_err(|e| body_error(e, server.inner.config.body_limit))?;
+    let body = read_body(body, server.inner.config.body_limit).await?;
     let max_events = server.inner.config.max_batch_events;
     let (expected_seq, parsed) = parse_append(&body, max_events).inspect_err(|_| {
         server.inner.metrics.append_outcome("invalid");
@@ -1528,7 +1555,7 @@ async fn feed_stream(
             }
             tokio::select! {
                 _ = tx.closed() => return,
-                r = watch.wait_past(session_id, state.seq, KEEP_ALIVE) => {
+                r = watch.wait_past(session_id, state.seq, STREAM_WAIT) => {
                     if let Err(e) = r {
                         debug!(cause = %e, "stream wait failed; retrying");
                         if gone_before_retry(&tx).await {

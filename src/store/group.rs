@@ -171,7 +171,7 @@ fn again(e: &Error) -> Error {
         Error::Unavailable(m) => Error::Unavailable(m.clone()),
         Error::OutcomeUnknown(m) => Error::OutcomeUnknown(m.clone()),
         other => Error::Database(format!(
-            "the transaction this append was committed in failed: {other}"
+            "the transaction this append was written in failed, and nothing of it was stored: {other}"
         )),
     }
 }

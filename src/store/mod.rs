@@ -625,7 +625,32 @@ pub fn backend_kind(url: &str) -> BackendKind {
     }
 }
 
+/// Refuses a URL of a scheme the store does not know (`mysql://…`,
+/// `POSTGRES://…`) before it is read as a file path, whose errors would
+/// quote it whole, password and all.
+fn check_scheme(url: &str) -> Result<()> {
+    match url.split_once("://") {
+        Some((scheme, _)) if !["sqlite", "postgres", "postgresql"].contains(&scheme) => {
+            Err(Error::BadUrl(url.to_owned()))
+        }
+        _ => Ok(()),
+    }
+}
+
 impl Store {
+    /// Whether `url` names a SQLite file that does not exist yet, which
+    /// opening with [`StoreOptions::create_if_missing`] would make. Never
+    /// for PostgreSQL (its database exists before the store; opening makes
+    /// only the store's tables). The CLI's writes judge their input before
+    /// they make such a file (README, "--database").
+    pub fn would_create_file(url: &str) -> Result<bool> {
+        check_scheme(url)?;
+        match backend_kind(url) {
+            BackendKind::Postgres => Ok(false),
+            BackendKind::Sqlite => sqlite::file_is_missing(url),
+        }
+    }
+
     /// Opens (creating a SQLite file if needed) and migrates a store.
     pub async fn open(url: &str) -> Result<Store> {
         Store::open_with(url, StoreOptions::default()).await
@@ -635,11 +660,7 @@ impl Store {
     // Not the URL: it may carry the database password.
     #[instrument(skip(url, options), fields(backend = ?backend_kind(url)))]
     pub async fn open_with(url: &str, options: StoreOptions) -> Result<Store> {
-        if let Some((scheme, _)) = url.split_once("://") {
-            if !["sqlite", "postgres", "postgresql"].contains(&scheme) {
-                return Err(Error::BadUrl(url.to_owned()));
-            }
-        }
+        check_scheme(url)?;
         let backend = match backend_kind(url) {
             BackendKind::Postgres => {
                 Backend::Postgres(postgres::PgBackend::connect(url, &options).await?)
@@ -911,6 +932,19 @@ impl Store {
         events: Vec<NewEvent>,
         policy: &RetryPolicy,
     ) -> Result<AppendOutcome> {
+        self.append_at_head_as(None, session_id, events, policy)
+            .await
+    }
+
+    /// [`Store::append_at_head`] on behalf of a tenant, as
+    /// [`Store::append_as`] (`import --tenant`).
+    pub async fn append_at_head_as(
+        &self,
+        tenant: Option<&str>,
+        session_id: Uuid,
+        events: Vec<NewEvent>,
+        policy: &RetryPolicy,
+    ) -> Result<AppendOutcome> {
         // Cut at an event whose values the store could not read back, before
         // anything clones the batch: a value deep enough to be refused may
         // be deep enough to overflow the stack of a recursive clone.
@@ -934,7 +968,13 @@ impl Store {
         loop {
             attempts += 1;
             let result = self
-                .append_inner(None, session_id, None, events.clone(), invalid_tail.clone())
+                .append_inner(
+                    tenant,
+                    session_id,
+                    None,
+                    events.clone(),
+                    invalid_tail.clone(),
+                )
                 .await;
             if let Err(Error::OutcomeUnknown(why)) = &result {
                 uncertain.get_or_insert_with(|| why.clone());

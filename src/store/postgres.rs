@@ -234,6 +234,9 @@ pub const BACKFILL_LOCK: i64 = 0x5353_4246_494c_4c53;
 /// before doing it beside it ([`PgBackend::backfill_turn`]).
 const BACKFILL_WAIT: Duration = Duration::from_secs(30);
 
+/// The `application_name` of the connection that LISTENs for wake-ups.
+pub const LISTENER_APPLICATION_NAME: &str = "session-store listener";
+
 /// The LISTEN/NOTIFY channel: payload "session:seq", a wake-up only.
 pub(crate) const NOTIFY_CHANNEL: &str = "session_store_events";
 
@@ -561,9 +564,110 @@ fn options_with<'a>(
     url: &str,
     settings: impl Iterator<Item = &'a (&'a str, &'a str)>,
 ) -> Result<PgConnectOptions> {
-    Ok(PgConnectOptions::from_str(url)
-        .map_err(|_| Error::BadUrl(url.to_owned()))?
-        .options(settings.copied()))
+    let refused = |why: String| Error::UrlRefused {
+        url: url.to_owned(),
+        why,
+    };
+    let url_text = with_socket_host(url);
+    // Parsed here first: the driver logs a parameter it does not know
+    // with its value (which may be a password), and its syntax errors are
+    // the parser's.
+    let parsed = url::Url::parse(&url_text).map_err(|e| {
+        let cause = e.to_string();
+        refused(match cause.as_str() {
+            "empty host" => format!(
+                "{cause} (name the host, or the socket's directory as ?host=/DIR)"
+            ),
+            _ => format!(
+                "{cause} (a password or name holding `@`, `:`, `/`, `?`, `#`, `%` or a space must be percent-encoded)"
+            ),
+        })
+    })?;
+    if let Some((key, _)) = parsed.query_pairs().find(|(key, _)| !honoured(key)) {
+        return Err(refused(format!(
+            "the parameter `{key}` is not one the PostgreSQL driver honours (it would be ignored); \
+             it takes {}, and `options[NAME]`",
+            URL_PARAMETERS.join(", ")
+        )));
+    }
+    let options = PgConnectOptions::from_str(&url_text).map_err(|e| {
+        let cause = match e {
+            sqlx::Error::Configuration(cause) => cause.to_string(),
+            other => other.to_string(),
+        };
+        // A parameter's value, said by the driver in its own words.
+        refused(match cause.strip_prefix("error with configuration: ") {
+            Some(value) => value.to_owned(),
+            None => format!("a parameter's value is not valid: {cause}"),
+        })
+    })?;
+    Ok(options.options(settings.copied()))
+}
+
+/// The query parameters of a PostgreSQL URL that sqlx's driver reads. It
+/// passes over any other with a log line only, so a URL asking for
+/// `channel_binding=require` or `target_session_attrs=read-write` would
+/// connect without them: refused instead.
+const URL_PARAMETERS: &[&str] = &[
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "sslmode",
+    "sslrootcert",
+    "sslcert",
+    "sslkey",
+    "application_name",
+    "options",
+    "statement-cache-capacity",
+    "ssl-mode",
+    "ssl-root-cert",
+    "ssl-ca",
+    "ssl-cert",
+    "ssl-key",
+];
+
+fn honoured(key: &str) -> bool {
+    URL_PARAMETERS.contains(&key) || (key.starts_with("options[") && key.ends_with(']'))
+}
+
+/// The names of `url`'s query parameters, as written.
+fn url_parameters(url: &str) -> impl Iterator<Item = &str> {
+    let query = url.split_once('?').map_or("", |(_, q)| q);
+    let query = query.split_once('#').map_or(query, |(q, _)| q);
+    query
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| p.split_once('=').map_or(p, |(key, _)| key))
+}
+
+/// libpq's `postgres://user@/db?host=/socket/dir` (no host: the socket
+/// directory is the parameter's) fails the URL parser, which wants a host
+/// after user info. Given a `host` parameter, the empty host is written
+/// `localhost`, which the parameter then replaces.
+fn with_socket_host(url: &str) -> std::borrow::Cow<'_, str> {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.into();
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    let (userinfo, host_port) = match authority.rsplit_once('@') {
+        Some((userinfo, host_port)) => (Some(userinfo), host_port),
+        None => (None, authority),
+    };
+    // No host before the port (`u@:5433`, `u@`), and a `host` parameter.
+    let no_host = host_port.is_empty() || host_port.starts_with(':');
+    if !no_host || userinfo.is_none() && host_port.is_empty() {
+        // `postgres:///db?host=…` the parser takes as it is.
+        return url.into();
+    }
+    if !url_parameters(url).any(|key| key == "host") {
+        return url.into();
+    }
+    let userinfo = userinfo.map(|u| format!("{u}@")).unwrap_or_default();
+    format!("{scheme}://{userinfo}localhost{host_port}{tail}").into()
 }
 
 /// The settings of the bench's raw-insert ceiling: the same timeouts, but
@@ -1080,7 +1184,13 @@ impl PgBackend {
             .acquire_timeout(Duration::from_secs(5))
             .idle_timeout(None)
             .max_lifetime(None)
-            .connect_lazy_with((*self.connect).clone())
+            // Named, so that an operator (and a test) tells it apart in
+            // pg_stat_activity: its last query is a ping, not `LISTEN`.
+            .connect_lazy_with(
+                (*self.connect)
+                    .clone()
+                    .application_name(LISTENER_APPLICATION_NAME),
+            )
     }
 
     /// Runs an audit query that selects event rows (src/store/query.rs),

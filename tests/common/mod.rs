@@ -17,6 +17,39 @@ use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
+/// The binary on `url` with `args`, `stdin` written to it and `env` set
+/// (`DATABASE_URL` and `PGPASSWORD` removed, so that only what a test
+/// gives counts). A command refused before it reads its input may have
+/// exited already: its answer is what the test judges, not the write.
+pub fn run_bin(
+    url: &str,
+    args: &[&str],
+    stdin: &str,
+    env: &[(&str, &std::ffi::OsStr)],
+) -> std::process::Output {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    // Set for the tests; the examples that share this module run no binary.
+    let bin = option_env!("CARGO_BIN_EXE_session-store").unwrap_or("session-store");
+    let mut child = Command::new(bin)
+        .arg("--database")
+        .arg(url)
+        .args(args)
+        .env_remove("DATABASE_URL")
+        .env_remove("PGPASSWORD")
+        .envs(env.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run session-store");
+    match child.stdin.take().unwrap().write_all(stdin.as_bytes()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+        other => other.unwrap(),
+    }
+    child.wait_with_output().unwrap()
+}
+
 /// Where a backend for one test lives.
 pub struct TestDb {
     /// What to pass as `--database` / `Store::open`.

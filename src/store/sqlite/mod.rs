@@ -34,7 +34,7 @@ static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
 mod open;
 
 use open::*;
-pub(crate) use open::{connect_options, pool_options, MAX_CONNECTIONS};
+pub(crate) use open::{connect_options, file_is_missing, pool_options, MAX_CONNECTIONS};
 
 /// Rows per INSERT statement: 7 parameters each, well under SQLite's limit.
 const INSERT_CHUNK: usize = 500;
@@ -437,6 +437,24 @@ impl SqliteBackend {
             .fetch_one(&self.pool)
             .await
             .map_err(Error::from_sqlx)
+    }
+
+    /// The sessions of the events at positions after `after` up to
+    /// `upto` (the subscription source's wake-ups name them).
+    pub(crate) async fn sessions_between(&self, after: i64, upto: i64) -> Result<Vec<Uuid>> {
+        let ids: Vec<String> = sqlx::query_scalar(
+            "SELECT DISTINCT session_id FROM events WHERE position > ? AND position <= ?",
+        )
+        .bind(after)
+        .bind(upto)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(Error::from_sqlx)?;
+        ids.iter()
+            .map(|s| {
+                Uuid::parse_str(s).map_err(|_| Error::Corrupt(format!("bad session_id {s:?}")))
+            })
+            .collect()
     }
 
     /// Up to `limit` events of every session after `position`, stopping

@@ -86,6 +86,44 @@ fn check_parent(path: &str) -> Result<()> {
     }
 }
 
+/// The file a SQLite URL names, as the driver will open it (its URL parser
+/// percent-decodes the path and reads `?mode=…` options); `None` for a
+/// database in memory or a temporary one.
+fn file_of(url: &str) -> Result<Option<String>> {
+    let target = connect_options(url)?;
+    let name = target.get_filename().to_string_lossy().into_owned();
+    let path = match name.strip_prefix("file:") {
+        // A SQLite URI, which the driver hands on for SQLite to decode: the
+        // file it names is checked as any other (it was not, and a `file:`
+        // name of another application's database was migrated).
+        Some(_) => match uri_file(&name).ok_or_else(|| Error::BadUrl(url.to_owned()))? {
+            Some(path) => path,
+            None => return Ok(None),
+        },
+        None => name,
+    };
+    if path.contains('\0') {
+        return Err(Error::BadUrl(url.to_owned()));
+    }
+    Ok(Some(path))
+}
+
+/// Whether `url` names a SQLite file that does not exist (so that opening
+/// it with [`StoreOptions::create_if_missing`] would make a new store); an
+/// error where it could not be made (a directory that does not exist or
+/// cannot be written), as opening would say.
+pub(crate) fn file_is_missing(url: &str) -> Result<bool> {
+    if path_of(url).is_empty() {
+        return Err(Error::BadUrl(url.to_owned()));
+    }
+    match file_of(url)? {
+        Some(path) if std::fs::metadata(&path).is_err_and(|e| is_missing(&e)) => {
+            check_parent(&path).map(|()| true)
+        }
+        _ => Ok(false),
+    }
+}
+
 /// Refuses a path that holds no session store before anything is written
 /// to it: opening turns a file into WAL mode and migrates it, which must
 /// not happen to another application's database named by mistake.
@@ -101,26 +139,12 @@ fn check_parent(path: &str) -> Result<()> {
 /// Answers the path of a file it found missing and that opening will
 /// create (`None` when the file exists, or its path is SQLite's to find).
 pub(super) async fn check_file(url: &str, create: bool) -> Result<Option<String>> {
-    // The file the driver will open: its URL parser percent-decodes the
-    // path and reads `?mode=…` options.
     let (_, query) = path_of(url).split_once('?').unwrap_or(("", ""));
-    let target = connect_options(url)?;
-    let name = target.get_filename().to_string_lossy().into_owned();
-    let path = match name.strip_prefix("file:") {
-        // A SQLite URI, which the driver hands on for SQLite to decode: the
-        // file it names is checked as any other (it was not, and a `file:`
-        // name of another application's database was migrated).
-        Some(_) => match uri_file(&name).ok_or_else(|| Error::BadUrl(url.to_owned()))? {
-            Some(path) => path,
-            // No file (in memory, or a temporary database): refused by
-            // `check_durable` once opened.
-            None => return Ok(None),
-        },
-        None => name,
+    let Some(path) = file_of(url)? else {
+        // No file (in memory, or a temporary database): refused by
+        // `check_durable` once opened.
+        return Ok(None);
     };
-    if path.contains('\0') {
-        return Err(Error::BadUrl(url.to_owned()));
-    }
     let path = path.as_str();
     let meta = match std::fs::metadata(path) {
         Ok(meta) => meta,
