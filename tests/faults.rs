@@ -274,10 +274,43 @@ async fn postgres_a_listener_that_stops_answering_is_replaced() {
         appending
     );
     let waited = started_at.elapsed();
+    // A new listening connection while the old one is still stopped: the
+    // one given up on holds its pool's connection (sqlx's drop of a
+    // listener waits for its `UNLISTEN` on it), and a listener that shared
+    // that pool never came (the waiters were woken each second instead).
+    let mut replaced = None;
+    for _ in 0..100 {
+        replaced = sqlx::query_scalar::<_, i32>(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = 'session-store listener' \
+             AND datname = current_database() AND pid <> $1",
+        )
+        .bind(pid)
+        .fetch_optional(&admin)
+        .await
+        .unwrap();
+        if replaced.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let relistened = started_at.elapsed();
     signal("-CONT");
     appended.unwrap();
     assert_eq!(head.expect("woken").unwrap(), Some(2));
     assert!(waited < Duration::from_secs(7), "woken after {waited:?}");
+    assert!(
+        replaced.is_some(),
+        "no new listening connection {relistened:?} after the old one stopped"
+    );
+    // And it listens: an append is seen through it.
+    other
+        .append(s, 2, vec![prompt("after the new listener")])
+        .await
+        .unwrap();
+    let head = tokio::time::timeout(Duration::from_secs(5), watch.wait_past(s, 2, Duration::MAX))
+        .await
+        .expect("woken by the new listener");
+    assert_eq!(head.unwrap(), Some(3));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1175,8 +1175,9 @@ impl PgBackend {
         .await
     }
 
-    /// A pool of one connection for one listener (see `connect`); it
-    /// reconnects it when the connection is lost.
+    /// A pool of one connection for one listener (see `connect`), made
+    /// for each listener and kept by it: a new listener never waits for
+    /// the connection of one given up on (src/store/subscribe.rs).
     pub(crate) fn listener_pool(&self) -> PgPool {
         PgPoolOptions::new()
             .max_connections(1)

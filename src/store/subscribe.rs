@@ -81,7 +81,7 @@ struct Moves {
 
 /// What a new source starts from, made outside the lock.
 enum Source {
-    Listen(PgListener, sqlx::PgPool),
+    Listen(PgListener, super::postgres::PgBackend),
     Poll(super::sqlite::SqliteBackend, i64),
 }
 
@@ -135,9 +135,8 @@ impl Pulse {
         // and waiters must not queue behind one another's attempts.
         let source = match backend {
             Backend::Postgres(b) => {
-                let pool = b.listener_pool();
-                let listener = new_listener(&pool).await.map_err(Error::from_sqlx)?;
-                Source::Listen(listener, pool)
+                let listener = new_listener(b).await.map_err(Error::from_sqlx)?;
+                Source::Listen(listener, b.clone())
             }
             Backend::Sqlite(b) => Source::Poll(b.clone(), b.last_position().await.unwrap_or(0)),
         };
@@ -158,7 +157,7 @@ impl Pulse {
             tx,
         };
         match source {
-            Source::Listen(listener, pool) => tokio::spawn(listen(running, listener, pool)),
+            Source::Listen(listener, b) => tokio::spawn(listen(running, listener, b)),
             Source::Poll(b, first) => tokio::spawn(poll(running, b, first)),
         };
         Ok(rx)
@@ -228,7 +227,7 @@ impl Drop for Running {
 /// A lost connection (or any error of it, or a connection that stops
 /// answering a ping) makes a new listener ([`relisten`]), waking every
 /// waiter meanwhile.
-async fn listen(source: Running, mut listener: PgListener, pool: sqlx::PgPool) {
+async fn listen(source: Running, mut listener: PgListener, backend: super::postgres::PgBackend) {
     /// How often the source checks whether anyone still waits.
     const IDLE_CHECK: Duration = Duration::from_secs(1);
     /// How often an idle listening connection is asked whether it still
@@ -265,7 +264,7 @@ async fn listen(source: Running, mut listener: PgListener, pool: sqlx::PgPool) {
             debug!("notification connection lost; listening again");
             // The pool's connections may be as dead as this one.
             super::postgres::connection_lost();
-            match relisten(&source, &pool, listener).await {
+            match relisten(&source, &backend, listener).await {
                 Some(again) => listener = again,
                 None => return,
             }
@@ -276,20 +275,28 @@ async fn listen(source: Running, mut listener: PgListener, pool: sqlx::PgPool) {
     }
 }
 
-/// A new listener on `pool` in place of `old`, once the database takes
-/// one (`old` is closed first: the pool has the one connection). Meanwhile
+/// A new listener in place of `old`, once the database takes one. Each
+/// attempt has a pool of its own: `old` is dropped, and sqlx's drop of a
+/// listener sends `UNLISTEN *` on its connection before giving it back to
+/// its pool, which never ends on a connection that died without a word (a
+/// review saw every attempt on the old one-connection pool time out for
+/// as long as it watched, the waiters woken each second meanwhile). Meanwhile
 /// every waiter is woken each second, also while an attempt waits for its
 /// connection (each reads the log again, and meets the outage itself:
 /// `tail --follow` says it), and once more when listening again, to read
 /// what was committed while nobody listened. `None` when nobody waits any
 /// more.
-async fn relisten(source: &Running, pool: &sqlx::PgPool, old: PgListener) -> Option<PgListener> {
+async fn relisten(
+    source: &Running,
+    backend: &super::postgres::PgBackend,
+    old: PgListener,
+) -> Option<PgListener> {
     drop(old);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         // Bounded as a whole: a server that takes the connection and then
         // stops answering would hold it for ever.
-        let attempt = tokio::time::timeout(Duration::from_secs(10), new_listener(pool));
+        let attempt = tokio::time::timeout(Duration::from_secs(10), new_listener(backend));
         tokio::pin!(attempt);
         let attempted = loop {
             tokio::select! {
@@ -321,11 +328,16 @@ async fn relisten(source: &Running, pool: &sqlx::PgPool, old: PgListener) -> Opt
     }
 }
 
-/// A listener on `pool` that LISTENs on the store's channel, and answers a
-/// lost connection at once rather than reconnecting inside `try_recv`
-/// (see [`listen`]).
-async fn new_listener(pool: &sqlx::PgPool) -> std::result::Result<PgListener, sqlx::Error> {
-    let mut listener = PgListener::connect_with(pool).await?;
+/// A listener on a pool of its own ([`PgBackend::listener_pool`], kept by
+/// the listener) that LISTENs on the store's channel, and answers a lost
+/// connection at once rather than reconnecting inside `try_recv` (see
+/// [`listen`]).
+///
+/// [`PgBackend::listener_pool`]: super::postgres::PgBackend::listener_pool
+async fn new_listener(
+    backend: &super::postgres::PgBackend,
+) -> std::result::Result<PgListener, sqlx::Error> {
+    let mut listener = PgListener::connect_with(&backend.listener_pool()).await?;
     listener.eager_reconnect(false);
     listener.listen(super::postgres::NOTIFY_CHANNEL).await?;
     Ok(listener)
