@@ -303,9 +303,17 @@ impl Error {
             // while waiting for an open connection"): said as what happened.
             // A certificate rustls refused: the connection's settings,
             // said with what to change.
+            // A name mismatch is checked under `verify-ca` too: sqlx 0.8
+            // passes over rustls's old error for it, not the one rustls
+            // now gives (sqlx issue #3793).
+            sqlx::Error::Io(io) if io.to_string().contains("not valid for name") => {
+                Error::Unavailable(format!(
+                    "the PostgreSQL server's TLS certificate is not for the host connected to ({io}): connect by a name the certificate holds (the driver checks it under sslmode=verify-ca as well as verify-full), or with sslmode=require, which encrypts without checking the certificate"
+                ))
+            }
             sqlx::Error::Io(io) if io.to_string().contains("certificate") => {
                 Error::Unavailable(format!(
-                    "the PostgreSQL server's TLS certificate was not accepted ({io}): name the certificate authority that signed it with ?sslrootcert=FILE, or connect with sslmode=require, which encrypts without checking it"
+                    "the PostgreSQL server's TLS certificate was not accepted ({io}): name the certificate authority that signed it with ?sslrootcert=FILE (when one is named, it did not sign this certificate), or connect with sslmode=require, which encrypts without checking it"
                 ))
             }
             sqlx::Error::Io(io) => Error::Unavailable(format!(
@@ -409,6 +417,15 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// URL's last `@`, which may hide more than the password, never less.
 pub fn redact_url(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
+        if is_conninfo(url) {
+            // libpq's `key=value` words: each value but the harmless ones
+            // hidden, as a URL's parameters are.
+            return url
+                .split_ascii_whitespace()
+                .map(|word| shown_parameter(word, ""))
+                .collect::<Vec<_>>()
+                .join(" ");
+        }
         return url.to_owned();
     };
     let said = match rest.rsplit_once('@') {
@@ -426,6 +443,19 @@ pub fn redact_url(url: &str) -> String {
 /// `password=`, libpq's `sslpassword=`, a misspelling or a percent-encoded
 /// spelling, and a list of secrets would miss some.
 fn redact_password_parameters(url: &str) -> String {
+    let Some((head, query)) = url.split_once('?') else {
+        return url.to_owned();
+    };
+    let params: Vec<String> = query.split('&').map(|p| shown_parameter(p, p)).collect();
+    format!("{head}?{}", params.join("&"))
+}
+
+/// A `key=value` piece of a URL's query (or of a libpq connection string)
+/// as a message may show it: the value hidden but for the parameters known
+/// to hold no secret. A piece without `=` is hidden whole (`***`), or
+/// shown as `bare` where that is empty (a URL's `&&`): after a password
+/// holding an unencoded `&` it is the password's tail.
+fn shown_parameter(piece: &str, bare: &str) -> String {
     /// Parameters whose values are names, paths, numbers or modes.
     const SHOWN: &[&str] = &[
         "host",
@@ -448,17 +478,31 @@ fn redact_password_parameters(url: &str) -> String {
         "cache",
         "immutable",
     ];
-    let Some((head, query)) = url.split_once('?') else {
-        return url.to_owned();
-    };
-    let params: Vec<String> = query
-        .split('&')
-        .map(|p| match p.split_once('=') {
-            Some((key, _)) if !SHOWN.contains(&key) => format!("{key}=***"),
-            _ => p.to_owned(),
-        })
-        .collect();
-    format!("{head}?{}", params.join("&"))
+    match piece.split_once('=') {
+        Some((key, _)) if !SHOWN.contains(&key) => format!("{key}=***"),
+        Some(_) => piece.to_owned(),
+        None if piece.is_empty() => bare.to_owned(),
+        None => "***".to_owned(),
+    }
+}
+
+/// Whether `database` is a libpq connection string (`host=… dbname=…`),
+/// which the store does not take (it takes a URL): words of `key=value`,
+/// one of them naming a connection's host, database, user or password.
+pub(crate) fn is_conninfo(database: &str) -> bool {
+    const KEYS: &[&str] = &[
+        "host=",
+        "hostaddr=",
+        "port=",
+        "dbname=",
+        "user=",
+        "password=",
+        "sslmode=",
+    ];
+    !database.contains("://")
+        && database
+            .split_ascii_whitespace()
+            .any(|word| KEYS.iter().any(|k| word.starts_with(k)))
 }
 
 /// `s` as a JSON string, for messages that quote what a caller sent: a
@@ -490,6 +534,22 @@ pub(crate) fn cut_head(s: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A certificate for another name is said as that, not as an unknown
+    /// authority (a review followed "name the certificate authority" with
+    /// the authority already named); another certificate failure as one.
+    #[test]
+    fn certificate_failures_say_what_to_change() {
+        let io = |m: &str| sqlx::Error::Io(std::io::Error::other(m.to_owned()));
+        let said = Error::from_sqlx(io(
+            "invalid peer certificate: certificate not valid for name \"127.0.0.1\"; certificate is only valid for DnsName(\"db.example\")",
+        ))
+        .to_string();
+        assert!(said.contains("not for the host connected to"), "{said}");
+        assert!(said.contains("verify-ca"), "{said}");
+        let said = Error::from_sqlx(io("invalid peer certificate: UnknownIssuer")).to_string();
+        assert!(said.contains("name the certificate authority"), "{said}");
+    }
 
     /// A long name is quoted cut, with its length; a short one whole.
     #[test]
@@ -604,6 +664,18 @@ mod redaction_and_chain_tests {
                 "postgres://h/s?sslpassword=a&pasword=b&pass%77ord=c&port=1&sslmode=require",
                 "postgres://h/s?sslpassword=***&pasword=***&pass%77ord=***&port=1&sslmode=require",
             ),
+            // A password holding an unencoded `&`: its tail is a piece
+            // without `=`, hidden whole.
+            (
+                "postgres://h/s?password=ab&cd-secret-tail&&port=1",
+                "postgres://h/s?password=***&***&&port=1",
+            ),
+            // libpq's connection strings, which the store refuses.
+            (
+                "host=db port=5432 dbname=x user=app password=S3cret sslmode=require",
+                "host=db port=5432 dbname=x user=app password=*** sslmode=require",
+            ),
+            ("host=db password='a b'", "host=db password=*** ***"),
         ] {
             assert_eq!(redact_url(url), said);
         }

@@ -239,6 +239,119 @@ fn postgres_urls_are_refused_precisely_and_a_read_only_role_is_said() {
             assert!(!stderr(&out).contains(secret), "{url}: {}", stderr(&out));
         }
     }
+    // Refused before connecting, each naming what is wrong and never the
+    // secret: a password's tail after an unencoded `&`, a libpq connection
+    // string, TLS files that cannot serve, a `PGSSLMODE` the driver would
+    // pass over.
+    let scratch = tempfile::tempdir().unwrap();
+    let not_pem = scratch.path().join("ca.pem");
+    std::fs::write(&not_pem, "not a certificate\n").unwrap();
+    let no_env: &[(&str, &str)] = &[];
+    for (url, env, says) in [
+        (
+            "postgres://127.0.0.1:1/db?password=ab&cd-secret-tail".to_owned(),
+            no_env,
+            "has no `=`".to_owned(),
+        ),
+        (
+            "postgres://app:secret@127.0.0.1:1/db?sslmode=verify-full&sslrootcert=/nonexistent/ca.pem"
+                .to_owned(),
+            no_env,
+            "`sslrootcert` names \"/nonexistent/ca.pem\", which cannot be read".to_owned(),
+        ),
+        (
+            format!(
+                "postgres://127.0.0.1:1/db?sslmode=verify-full&ssl-root-cert={}",
+                not_pem.display()
+            ),
+            no_env,
+            "holds no PEM certificate".to_owned(),
+        ),
+        (
+            format!(
+                "postgres://127.0.0.1:1/db?sslkey={}",
+                scratch.path().display()
+            ),
+            no_env,
+            "which is not a file".to_owned(),
+        ),
+        (
+            "postgres://127.0.0.1:1/db".to_owned(),
+            &[("PGSSLMODE", "bogus")],
+            "PGSSLMODE (in the environment) is \"bogus\"".to_owned(),
+        ),
+        (
+            "postgres://127.0.0.1:1/db".to_owned(),
+            &[("PGSSLCERT", "/nonexistent/client.pem")],
+            "PGSSLCERT (in the environment) names".to_owned(),
+        ),
+    ] {
+        let env: Vec<(&str, &std::ffi::OsStr)> = env
+            .iter()
+            .map(|(k, v)| (*k, std::ffi::OsStr::new(*v)))
+            .collect();
+        for args in [&["import"][..], &["verify"]] {
+            let out = common::run_bin(&url, args, "", &env);
+            assert_eq!(out.status.code(), Some(2), "{url}: {}", stderr(&out));
+            assert!(stderr(&out).contains(&says), "{url}: {}", stderr(&out));
+            assert!(!stderr(&out).contains("secret"), "{url}: {}", stderr(&out));
+        }
+    }
+    // A libpq connection string, run where a file it made would be seen
+    // (it names none: the relative path a SQLite store would have had).
+    let conninfo = "host=127.0.0.1 port=1 dbname=db password=secret";
+    for args in [&["import"][..], &["verify"]] {
+        let out = Command::new(env!("CARGO_BIN_EXE_session-store"))
+            .current_dir(scratch.path())
+            .env_remove("DATABASE_URL")
+            .arg("--database")
+            .arg(conninfo)
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+        assert!(
+            stderr(&out).contains("libpq connection string") && !stderr(&out).contains("secret"),
+            "{}",
+            stderr(&out)
+        );
+        assert!(!scratch.path().join(conninfo).exists());
+    }
+    // A `PGSSLMODE` the URL overrides is not judged; libpq variables the
+    // driver does not read are said as a warning.
+    let out = common::run_bin(
+        "postgres://127.0.0.1:1/db?sslmode=disable",
+        &["verify"],
+        "",
+        &[
+            ("PGSSLMODE", std::ffi::OsStr::new("bogus")),
+            ("PGTARGETSESSIONATTRS", std::ffi::OsStr::new("read-write")),
+        ],
+    );
+    assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("PGTARGETSESSIONATTRS") && stderr(&out).contains("no effect"),
+        "{}",
+        stderr(&out)
+    );
+    // `--help` names the environment variable, not its value.
+    let out = common::run_bin(
+        "x.db",
+        &["--help"],
+        "",
+        &[(
+            "DATABASE_URL",
+            std::ffi::OsStr::new("postgres://app:secret@127.0.0.1:1/db"),
+        )],
+    );
+    assert!(out.status.success());
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        help.contains("DATABASE_URL") && !help.contains("secret"),
+        "{help}"
+    );
+
     let Some(bin) = common::pg_bin() else {
         return;
     };

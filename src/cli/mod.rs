@@ -42,6 +42,7 @@ pub struct Cli {
     #[arg(
         long,
         env = "DATABASE_URL",
+        hide_env_values = true,
         default_value = "session-store.db",
         global = true
     )]

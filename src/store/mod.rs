@@ -629,6 +629,17 @@ pub fn backend_kind(url: &str) -> BackendKind {
 /// `POSTGRES://…`) before it is read as a file path, whose errors would
 /// quote it whole, password and all.
 fn check_scheme(url: &str) -> Result<()> {
+    // Read as a SQLite path it would be a file of that name, and quoted
+    // in messages with its password: refused unless such a file exists.
+    if crate::error::is_conninfo(url) && !std::path::Path::new(url).exists() {
+        return Err(Error::UrlRefused {
+            url: url.to_owned(),
+            why: "it is a libpq connection string (key=value words), which the store does not read: \
+                  name a PostgreSQL database as postgres://USER@HOST:PORT/DBNAME (?sslmode=… and the \
+                  other parameters after it), a SQLite store by its file's path"
+                .to_owned(),
+        });
+    }
     match url.split_once("://") {
         Some((scheme, _)) if !["sqlite", "postgres", "postgresql"].contains(&scheme) => {
             Err(Error::BadUrl(url.to_owned()))

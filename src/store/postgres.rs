@@ -19,7 +19,7 @@ use chrono::{DateTime, Utc};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Connection, Postgres, Transaction};
 use tokio_stream::StreamExt as _;
-use tracing::debug;
+use tracing::{debug, warn};
 use uuid::Uuid;
 
 use super::{
@@ -583,6 +583,15 @@ fn options_with<'a>(
             ),
         })
     })?;
+    // A piece without `=` is most often a value's tail after an unencoded
+    // `&` (a password's): not named.
+    let query = parsed.query().unwrap_or("");
+    if query.split('&').any(|p| !p.is_empty() && !p.contains('=')) {
+        return Err(refused(
+            "a part of its query has no `=` (a value holding `&`, as a password may, must write it as %26)"
+                .to_owned(),
+        ));
+    }
     if let Some((key, _)) = parsed.query_pairs().find(|(key, _)| !honoured(key)) {
         return Err(refused(format!(
             "the parameter `{key}` is not one the PostgreSQL driver honours (it would be ignored); \
@@ -595,13 +604,136 @@ fn options_with<'a>(
             sqlx::Error::Configuration(cause) => cause.to_string(),
             other => other.to_string(),
         };
-        // A parameter's value, said by the driver in its own words.
+        // A parameter's value, said by the driver in its own words, but
+        // for the name it gives `sslmode` inside.
         refused(match cause.strip_prefix("error with configuration: ") {
-            Some(value) => value.to_owned(),
+            Some(value) => value.replace("`ssl_mode`", "`sslmode`"),
             None => format!("a parameter's value is not valid: {cause}"),
         })
     })?;
+    tls_settings(&parsed).map_err(refused)?;
+    warn_of_ignored_environment();
     Ok(options.options(settings.copied()))
+}
+
+/// The TLS settings the driver would otherwise find wrong only when it
+/// connects, and say as a failed connection (exit 4, "try again"): a
+/// certificate or key file that cannot be read or holds no PEM block of its
+/// kind (the driver reads PEM only; a file of no certificate made every
+/// server's certificate "unknown issuer"), and a `PGSSLMODE` it does not
+/// know, which it passes over in silence (connecting as `prefer`).
+fn tls_settings(url: &url::Url) -> std::result::Result<(), String> {
+    /// Each file's parameters (the last given wins, as in the driver), its
+    /// environment variable, and the PEM block it must hold.
+    const FILES: &[(&[&str], &str, &str, &str)] = &[
+        (
+            &["sslrootcert", "ssl-root-cert", "ssl-ca"],
+            "PGSSLROOTCERT",
+            "-----BEGIN CERTIFICATE-----",
+            "certificate",
+        ),
+        (
+            &["sslcert", "ssl-cert"],
+            "PGSSLCERT",
+            "-----BEGIN CERTIFICATE-----",
+            "certificate",
+        ),
+        (
+            &["sslkey", "ssl-key"],
+            "PGSSLKEY",
+            "PRIVATE KEY-----",
+            "private key",
+        ),
+    ];
+    for (keys, variable, block, kind) in FILES {
+        let given = url
+            .query_pairs()
+            .filter(|(k, _)| keys.contains(&k.as_ref()))
+            .last()
+            .map(|(k, v)| (format!("`{k}`"), v.into_owned()))
+            .or_else(|| {
+                std::env::var(variable)
+                    .ok()
+                    .map(|v| (format!("{variable} (in the environment)"), v))
+            });
+        let Some((named_by, value)) = given else {
+            continue;
+        };
+        let trimmed = value.trim();
+        if trimmed.starts_with("-----BEGIN") && trimmed.ends_with("-----") {
+            // The PEM text itself, which the driver takes inline.
+            continue;
+        }
+        let path = std::path::Path::new(&value);
+        let text = match std::fs::metadata(path) {
+            Ok(m) if !m.is_file() => {
+                return Err(format!("{named_by} names {path:?}, which is not a file"));
+            }
+            Ok(m) if m.len() > 16 << 20 => {
+                return Err(format!(
+                    "{named_by} names {path:?}, of {} bytes: not a PEM {kind} file",
+                    m.len()
+                ));
+            }
+            Ok(_) => std::fs::read(path),
+            Err(e) => Err(e),
+        }
+        .map_err(|e| format!("{named_by} names {path:?}, which cannot be read ({e})"))?;
+        if !String::from_utf8_lossy(&text).contains(block) {
+            return Err(format!(
+                "{named_by} names {path:?}, which holds no PEM {kind} (a block `{block}`; the driver reads PEM only)"
+            ));
+        }
+    }
+    let mode_in_url = url
+        .query_pairs()
+        .any(|(k, _)| k == "sslmode" || k == "ssl-mode");
+    if let (false, Ok(mode)) = (mode_in_url, std::env::var("PGSSLMODE")) {
+        if mode.parse::<sqlx::postgres::PgSslMode>().is_err() {
+            return Err(format!(
+                "PGSSLMODE (in the environment) is {mode:?}, not a mode the driver knows (disable, allow, prefer, require, verify-ca, verify-full): it would connect as `prefer`"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Says once a process (a warning) which of libpq's environment variables
+/// that are set the driver does not read: a `PGTARGETSESSIONATTRS` or
+/// `PGCHANNELBINDING` meant for this process has no effect. Not refused:
+/// the environment may be set for other programs (psql) too.
+fn warn_of_ignored_environment() {
+    const IGNORED: &[&str] = &[
+        "PGCONNECT_TIMEOUT",
+        "PGTARGETSESSIONATTRS",
+        "PGCHANNELBINDING",
+        "PGREQUIREAUTH",
+        "PGREQUIRESSL",
+        "PGSSLCRL",
+        "PGSSLCRLDIR",
+        "PGSSLMINPROTOCOLVERSION",
+        "PGSSLMAXPROTOCOLVERSION",
+        "PGSSLNEGOTIATION",
+        "PGSSLPASSWORD",
+        "PGGSSENCMODE",
+        "PGSERVICE",
+        "PGSERVICEFILE",
+        "PGLOADBALANCEHOSTS",
+    ];
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| {
+        let set: Vec<&str> = IGNORED
+            .iter()
+            .copied()
+            .filter(|v| std::env::var_os(v).is_some())
+            .collect();
+        if !set.is_empty() {
+            warn!(
+                variables = %set.join(", "),
+                "libpq environment variables set here are not read by the PostgreSQL driver and have no effect (docs/operations.md, \"Connecting to PostgreSQL\")"
+            );
+        }
+    });
 }
 
 /// The query parameters of a PostgreSQL URL that sqlx's driver reads. It
