@@ -27,6 +27,30 @@ pub const MAX_CALL_ID_BYTES: usize = 2048;
 /// The default limit on one event's JSON text (§4).
 pub const DEFAULT_MAX_EVENT_BYTES: usize = 1024 * 1024;
 
+/// What a tenant's name may be, said when it is not: 1 to 200 bytes of
+/// UTF-8, no control characters, no characters that reorder displayed
+/// text (a name shown reversed in a log or a token document), no
+/// whitespace at either end (`acme ` would be a tenant of its own, beside
+/// `acme`). One rule for the token documents, `--tenant` and the audit
+/// filters (docs/api.md).
+pub fn tenant_name_problem(name: &str) -> Option<&'static str> {
+    const BIDI: &[char] = &[
+        '\u{061C}', '\u{200E}', '\u{200F}', '\u{202A}', '\u{202B}', '\u{202C}', '\u{202D}',
+        '\u{202E}', '\u{2066}', '\u{2067}', '\u{2068}', '\u{2069}',
+    ];
+    if name.is_empty() || name.len() > 200 {
+        Some("a tenant is 1 to 200 bytes of UTF-8")
+    } else if name.chars().any(char::is_control) {
+        Some("a tenant holds no control characters")
+    } else if name.chars().any(|c| BIDI.contains(&c)) {
+        Some("a tenant holds no characters that change the direction of text")
+    } else if name.trim() != name {
+        Some("a tenant neither starts nor ends with whitespace")
+    } else {
+        None
+    }
+}
+
 /// Whether `s` holds a control character as §3 counts them (U+0000–U+001F,
 /// U+007F), which no tool name may.
 pub fn has_control_char(s: &str) -> bool {

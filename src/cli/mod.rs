@@ -319,7 +319,7 @@ pub enum AuditCommand {
 #[derive(Debug, clap::Args)]
 pub struct ScopeArgs {
     /// Only this tenant's sessions (every tenant without it).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_tenant)]
     pub tenant: Option<String>,
     /// Only this session.
     #[arg(long)]
@@ -772,13 +772,13 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
 
 /// `--tenant`: as a token document's tenant (docs/api.md).
 fn parse_tenant(s: &str) -> Result<String, String> {
-    if s.is_empty() || s.len() > 200 || s.chars().any(char::is_control) {
-        return Err(format!(
-            "{} is not a tenant: 1 to 200 bytes of UTF-8 without control characters",
+    match crate::validate::tenant_name_problem(s) {
+        Some(problem) => Err(format!(
+            "{} is not a tenant: {problem}",
             crate::error::quoted(s)
-        ));
+        )),
+        None => Ok(s.to_owned()),
     }
-    Ok(s.to_owned())
 }
 
 /// `--listen`: an IP and port, or a host name and port resolved to its
