@@ -1564,6 +1564,28 @@ fn writes_for_a_tenant_claim_their_sessions_and_refuse_others() {
                 );
             }
         }
+        // The tenants the store holds, with the default tenant's sessions
+        // (no owner row): what a move goes through.
+        let other = r#"{"session_id":"99999999-0000-4000-8000-000000000009","type":"session_started","mode":"agent"}"#;
+        let out = run(url, &["import"], Some(other));
+        assert!(out.status.success(), "{backend}: {}", stderr(&out));
+        let out = run(url, &["audit", "tenants", "--json"], None);
+        assert!(out.status.success(), "{backend}: {}", stderr(&out));
+        let listed: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+        assert_eq!(
+            listed,
+            serde_json::json!({"tenants": [
+                {"tenant": "acme", "sessions": 1},
+                {"tenant": "default", "sessions": 1}
+            ]}),
+            "{backend}"
+        );
+        let out = run(url, &["audit", "tenants"], None);
+        assert_eq!(
+            stdout(&out),
+            "         1  \"acme\"\n         1  \"default\"\n",
+            "{backend}"
+        );
         // Moved: exported, and imported for its tenant into a new store.
         let export = run(url, &["export", S], None);
         assert!(export.status.success(), "{backend}: {}", stderr(&export));

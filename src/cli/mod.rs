@@ -313,6 +313,14 @@ pub enum AuditCommand {
         #[command(flatten)]
         scope: ScopeArgs,
     },
+    /// Every tenant that holds a session, with how many sessions it
+    /// holds (sessions written without a tenant are `default`'s): what a
+    /// move of the store goes through. Reads each session's first event.
+    Tenants {
+        /// One JSON object: {"tenants": [{"tenant", "sessions"}]}.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// Flags shared by the `audit` queries.
@@ -1594,6 +1602,26 @@ async fn audit(store: &Store, query: AuditCommand, out: &mut dyn Write) -> Resul
                 writeln!(out, "none found on this page").map_err(io)?;
             }
             print_next(out, page.next)
+        }
+        AuditCommand::Tenants { json } => {
+            let tenants = store.tenants().await?;
+            if json {
+                let tenants: Vec<_> = tenants
+                    .iter()
+                    .map(|(tenant, sessions)| {
+                        serde_json::json!({"tenant": tenant, "sessions": sessions})
+                    })
+                    .collect();
+                return print_json(out, &serde_json::json!({ "tenants": tenants }));
+            }
+            for (tenant, sessions) in &tenants {
+                // Quoted: a name may hold spaces inside.
+                writeln!(out, "{sessions:>10}  {}", crate::error::quoted(tenant)).map_err(io)?;
+            }
+            if tenants.is_empty() {
+                writeln!(out, "no sessions").map_err(io)?;
+            }
+            Ok(())
         }
     }
 }

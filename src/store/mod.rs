@@ -548,6 +548,13 @@ enum Backend {
 /// library, or a server without tokens).
 pub const DEFAULT_TENANT: &str = "default";
 
+/// [`Store::tenants`]'s statement (SQLite's placeholder; PostgreSQL's
+/// `$1` in its place): a session is counted by its first event, its
+/// tenant the owner row's or, without one, the default tenant.
+const TENANTS_SQL: &str = "SELECT COALESCE(o.tenant, ?) AS tenant, COUNT(*) AS sessions \
+     FROM events e LEFT JOIN session_owners o ON o.session_id = e.session_id \
+     WHERE e.seq = 1 GROUP BY 1 ORDER BY 1";
+
 /// Which database a URL names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendKind {
@@ -1037,6 +1044,19 @@ impl Store {
                     })
                 }
             }
+        }
+    }
+
+    /// Every tenant that holds a session, with how many it holds, by name
+    /// (sessions created without a tenant are [`DEFAULT_TENANT`]'s). What
+    /// a store holds for whom, which no token document says once a
+    /// tenant's tokens are retired: the list a move of the store goes
+    /// through (docs/operations.md, "Moving a store"). Reads every
+    /// session's first event: an operator's query, not a request's.
+    pub async fn tenants(&self) -> Result<Vec<(String, i64)>> {
+        match &self.backend {
+            Backend::Sqlite(b) => b.tenants().await,
+            Backend::Postgres(b) => b.tenants().await,
         }
     }
 

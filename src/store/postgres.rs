@@ -1284,6 +1284,20 @@ impl PgBackend {
 
     /// Up to `limit` events of every session after `position`, and none
     /// after the one that brings the payloads to `max_bytes`.
+    /// [`crate::Store::tenants`]: each tenant with its number of sessions.
+    pub(crate) async fn tenants(&self) -> Result<Vec<(String, i64)>> {
+        again(|| async {
+            trip(
+                self.read_deadline,
+                sqlx::query_as(&super::TENANTS_SQL.replace('?', "$1"))
+                    .bind(super::DEFAULT_TENANT)
+                    .fetch_all(&self.pool),
+            )
+            .await
+        })
+        .await
+    }
+
     pub(crate) async fn feed(
         &self,
         after: i64,

@@ -439,6 +439,15 @@ impl SqliteBackend {
             .map_err(Error::from_sqlx)
     }
 
+    /// [`crate::Store::tenants`]: each tenant with its number of sessions.
+    pub(crate) async fn tenants(&self) -> Result<Vec<(String, i64)>> {
+        sqlx::query_as(super::TENANTS_SQL)
+            .bind(super::DEFAULT_TENANT)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(Error::from_sqlx)
+    }
+
     /// The sessions of the events at positions after `after` up to
     /// `upto` (the subscription source's wake-ups name them).
     pub(crate) async fn sessions_between(&self, after: i64, upto: i64) -> Result<Vec<Uuid>> {
