@@ -412,6 +412,13 @@ fn postgres_urls_are_refused_precisely_and_a_read_only_role_is_said() {
             "{role}: {}",
             stderr(&out)
         );
+        // One line, said as one, and the cause's kind said once.
+        assert!(
+            stderr(&out).contains(&format!("line 1 (session {SESSION}) was not stored"))
+                && stderr(&out).matches("database error").count() == 1,
+            "{role}: {}",
+            stderr(&out)
+        );
         assert!(
             started.elapsed() < std::time::Duration::from_secs(5),
             "{role}: import took {:?}",

@@ -2193,6 +2193,24 @@ mod tests {
             let said = check_file(&bad, true).await;
             assert!(matches!(said, Err(Error::BadUrl(_))), "{bad}: {said:?}");
         }
+        // An option the driver does not know, or a value it does not
+        // take, is said in its words (it was the in-memory explanation).
+        for (bad, says) in [
+            (
+                format!("file:{d}/s.db?bogus=1"),
+                "unknown query parameter `bogus`",
+            ),
+            (
+                format!("sqlite://{d}/s.db?mode=bad"),
+                "unknown value \"bad\" for `mode`",
+            ),
+        ] {
+            let said = check_file(&bad, true).await;
+            assert!(
+                matches!(&said, Err(e @ Error::UrlRefused { .. }) if e.to_string().contains(says)),
+                "{bad}: {said:?}"
+            );
+        }
         // A NUL that only the decoding reveals is a bad URL too.
         for nul in [format!("{d}/a%00b.db"), format!("file:{d}/a%00b.db")] {
             let said = check_file(&nul, true).await;

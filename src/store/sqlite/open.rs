@@ -363,7 +363,16 @@ pub(crate) fn connect_options(url: &str) -> Result<SqliteConnectOptions> {
         return Err(Error::BadUrl(url.to_owned()));
     }
     Ok(SqliteConnectOptions::from_str(&format!("sqlite://{path}"))
-        .map_err(|_| Error::BadUrl(url.to_owned()))?
+        .map_err(|e| match e {
+            // An option it does not know, or a value of one: said in the
+            // driver's words (the URL holds no password), not as a URL of
+            // no backend.
+            sqlx::Error::Configuration(cause) => Error::UrlRefused {
+                url: url.to_owned(),
+                why: format!("{cause} (a SQLite URL's options are mode, cache, immutable and vfs)"),
+            },
+            _ => Error::BadUrl(url.to_owned()),
+        })?
         .create_if_missing(true)
         .journal_mode(SqliteJournalMode::Wal)
         .synchronous(SqliteSynchronous::Full)
