@@ -420,11 +420,15 @@ pub fn redact_url(url: &str) -> String {
         if is_conninfo(url) {
             // libpq's `key=value` words: each value but the harmless ones
             // hidden, as a URL's parameters are.
-            return url
-                .split_ascii_whitespace()
+            return conninfo_words(url)
+                .iter()
                 .map(|word| shown_parameter(word, ""))
                 .collect::<Vec<_>>()
                 .join(" ");
+        }
+        if let Some(scheme) = postgres_scheme_typo(url) {
+            // `postgres:/app:pw@…`: whatever follows may hold a password.
+            return format!("{scheme}:***");
         }
         return url.to_owned();
     };
@@ -486,23 +490,111 @@ fn shown_parameter(piece: &str, bare: &str) -> String {
     }
 }
 
+/// libpq's connection string keywords (its documentation, "Parameter
+/// Key Words").
+const LIBPQ_KEYS: &[&str] = &[
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "passfile",
+    "require_auth",
+    "channel_binding",
+    "connect_timeout",
+    "client_encoding",
+    "options",
+    "application_name",
+    "fallback_application_name",
+    "keepalives",
+    "keepalives_idle",
+    "keepalives_interval",
+    "keepalives_count",
+    "tcp_user_timeout",
+    "replication",
+    "gssencmode",
+    "sslmode",
+    "requiressl",
+    "sslnegotiation",
+    "sslcompression",
+    "sslcert",
+    "sslkey",
+    "sslkeylogfile",
+    "sslpassword",
+    "sslcertmode",
+    "sslrootcert",
+    "sslcrl",
+    "sslcrldir",
+    "sslsni",
+    "requirepeer",
+    "ssl_min_protocol_version",
+    "ssl_max_protocol_version",
+    "krbsrvname",
+    "gsslib",
+    "gssdelegation",
+    "service",
+    "target_session_attrs",
+    "load_balance_hosts",
+];
+
+/// The `key=value` words of a libpq connection string, spaces around
+/// `=` taken out (`host = db` is `host=db` to libpq).
+fn conninfo_words(s: &str) -> Vec<String> {
+    let mut out = String::new();
+    let mut chars = s.chars().peekable();
+    let mut space = false;
+    while let Some(c) = chars.next() {
+        if c.is_ascii_whitespace() {
+            space = true;
+        } else if c == '=' {
+            out.push('=');
+            space = false;
+            while chars.next_if(char::is_ascii_whitespace).is_some() {}
+        } else {
+            if space && !out.is_empty() {
+                out.push(' ');
+            }
+            space = false;
+            out.push(c);
+        }
+    }
+    out.split(' ')
+        .filter(|w| !w.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
 /// Whether `database` is a libpq connection string (`host=… dbname=…`),
-/// which the store does not take (it takes a URL): words of `key=value`,
-/// one of them naming a connection's host, database, user or password.
+/// which the store does not take (it takes a URL): words of `key=value`
+/// with libpq's keywords. One word alone counts only without `/` or `.`,
+/// which a SQLite path in a directory named `host=web1` or a file
+/// `port=8080.db` has.
 pub(crate) fn is_conninfo(database: &str) -> bool {
-    const KEYS: &[&str] = &[
-        "host=",
-        "hostaddr=",
-        "port=",
-        "dbname=",
-        "user=",
-        "password=",
-        "sslmode=",
-    ];
-    !database.contains("://")
-        && database
-            .split_ascii_whitespace()
-            .any(|word| KEYS.iter().any(|k| word.starts_with(k)))
+    if database.contains("://") {
+        return false;
+    }
+    let keyed = |w: &String| {
+        w.split_once('=')
+            .is_some_and(|(k, _)| LIBPQ_KEYS.contains(&k))
+    };
+    match conninfo_words(database).as_slice() {
+        [] => false,
+        [one] => keyed(one) && !one.contains(['/', '.']),
+        many => many.iter().any(keyed),
+    }
+}
+
+/// The scheme of a PostgreSQL URL missing its `//` (`postgres:/app:pw@h/db`,
+/// `postgresql:app@h`), which would be read as a SQLite path and quoted
+/// whole.
+pub(crate) fn postgres_scheme_typo(database: &str) -> Option<&str> {
+    let (scheme, _) = database.split_once(':')?;
+    (!database.contains("://")
+        && ["postgres", "postgresql"]
+            .iter()
+            .any(|p| scheme.eq_ignore_ascii_case(p)))
+    .then_some(scheme)
 }
 
 /// `s` as a JSON string, for messages that quote what a caller sent: a
@@ -676,6 +768,16 @@ mod redaction_and_chain_tests {
                 "host=db port=5432 dbname=x user=app password=*** sslmode=require",
             ),
             ("host=db password='a b'", "host=db password=*** ***"),
+            (
+                "host = db user = app password = S3cret",
+                "host=db user=app password=***",
+            ),
+            ("sslpassword=S3cret", "sslpassword=***"),
+            ("postgres:/app:S3cret@h/db", "postgres:***"),
+            ("PostgreSQL:app:S3cret@h", "PostgreSQL:***"),
+            // SQLite paths stay as they are.
+            ("host=web1/s.db", "host=web1/s.db"),
+            ("port=8080.db", "port=8080.db"),
         ] {
             assert_eq!(redact_url(url), said);
         }

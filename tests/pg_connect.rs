@@ -246,6 +246,25 @@ fn postgres_urls_are_refused_precisely_and_a_read_only_role_is_said() {
     let scratch = tempfile::tempdir().unwrap();
     let not_pem = scratch.path().join("ca.pem");
     std::fs::write(&not_pem, "not a certificate\n").unwrap();
+    // Files with the PEM blocks' markers: what is judged before connecting.
+    let cert = scratch.path().join("client.crt");
+    std::fs::write(
+        &cert,
+        "-----BEGIN CERTIFICATE-----\nAA==\n-----END CERTIFICATE-----\n",
+    )
+    .unwrap();
+    let encrypted = scratch.path().join("client.key");
+    std::fs::write(
+        &encrypted,
+        "-----BEGIN ENCRYPTED PRIVATE KEY-----\nAA==\n-----END ENCRYPTED PRIVATE KEY-----\n",
+    )
+    .unwrap();
+    let (dir, cert, encrypted, not_pem) = (
+        scratch.path().display().to_string(),
+        cert.display().to_string(),
+        encrypted.display().to_string(),
+        not_pem.display().to_string(),
+    );
     let no_env: &[(&str, &str)] = &[];
     for (url, env, says) in [
         (
@@ -260,20 +279,29 @@ fn postgres_urls_are_refused_precisely_and_a_read_only_role_is_said() {
             "`sslrootcert` names \"/nonexistent/ca.pem\", which cannot be read".to_owned(),
         ),
         (
-            format!(
-                "postgres://127.0.0.1:1/db?sslmode=verify-full&ssl-root-cert={}",
-                not_pem.display()
-            ),
+            format!("postgres://127.0.0.1:1/db?sslmode=verify-ca&ssl-root-cert={not_pem}"),
             no_env,
             "holds no PEM certificate".to_owned(),
         ),
         (
-            format!(
-                "postgres://127.0.0.1:1/db?sslkey={}",
-                scratch.path().display()
-            ),
+            "postgres://127.0.0.1:1/db?sslmode=verify-full&sslrootcert=system".to_owned(),
+            no_env,
+            "libpq's `system`".to_owned(),
+        ),
+        (
+            format!("postgres://127.0.0.1:1/db?sslmode=require&sslcert={dir}&sslkey={dir}"),
             no_env,
             "which is not a file".to_owned(),
+        ),
+        (
+            format!("postgres://127.0.0.1:1/db?sslmode=require&sslcert={cert}"),
+            no_env,
+            "`sslcert` is given alone".to_owned(),
+        ),
+        (
+            format!("postgres://127.0.0.1:1/db?sslmode=require&sslcert={cert}&sslkey={encrypted}"),
+            no_env,
+            "an encrypted private key".to_owned(),
         ),
         (
             "postgres://127.0.0.1:1/db".to_owned(),
@@ -282,8 +310,8 @@ fn postgres_urls_are_refused_precisely_and_a_read_only_role_is_said() {
         ),
         (
             "postgres://127.0.0.1:1/db".to_owned(),
-            &[("PGSSLCERT", "/nonexistent/client.pem")],
-            "PGSSLCERT (in the environment) names".to_owned(),
+            &[("PGSSLMODE", "verify-full"), ("PGSSLROOTCERT", "/nonexistent/ca.pem")],
+            "PGSSLROOTCERT (in the environment) names".to_owned(),
         ),
     ] {
         let env: Vec<(&str, &std::ffi::OsStr)> = env
@@ -317,6 +345,29 @@ fn postgres_urls_are_refused_precisely_and_a_read_only_role_is_said() {
             stderr(&out)
         );
         assert!(!scratch.path().join(conninfo).exists());
+    }
+    // Files the mode does not read are not judged (the driver would
+    // connect: here to nothing, exit 4): an authority's under `require`,
+    // libpq's `PGSSLROOTCERT=system` set for psql, a client's without TLS.
+    for (url, env) in [
+        (
+            format!("postgres://127.0.0.1:1/db?sslmode=require&sslrootcert={not_pem}"),
+            &[][..],
+        ),
+        (
+            "postgres://127.0.0.1:1/db?sslmode=disable".to_owned(),
+            &[
+                ("PGSSLROOTCERT", "system"),
+                ("PGSSLCERT", "/nonexistent/client.pem"),
+            ][..],
+        ),
+    ] {
+        let env: Vec<(&str, &std::ffi::OsStr)> = env
+            .iter()
+            .map(|(k, v)| (*k, std::ffi::OsStr::new(*v)))
+            .collect();
+        let out = common::run_bin(&url, &["verify"], "", &env);
+        assert_eq!(out.status.code(), Some(4), "{url}: {}", stderr(&out));
     }
     // A `PGSSLMODE` the URL overrides is not judged; libpq variables the
     // driver does not read are said as a warning.

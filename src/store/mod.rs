@@ -553,7 +553,7 @@ pub const DEFAULT_TENANT: &str = "default";
 /// tenant the owner row's or, without one, the default tenant.
 const TENANTS_SQL: &str = "SELECT COALESCE(o.tenant, ?) AS tenant, COUNT(*) AS sessions \
      FROM events e LEFT JOIN session_owners o ON o.session_id = e.session_id \
-     WHERE e.seq = 1 GROUP BY 1 ORDER BY 1";
+     WHERE e.seq = 1 GROUP BY 1";
 
 /// Which database a URL names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -646,6 +646,14 @@ fn check_scheme(url: &str) -> Result<()> {
                   other parameters after it), a SQLite store by its file's path"
                 .to_owned(),
         });
+    }
+    if let Some(scheme) = crate::error::postgres_scheme_typo(url) {
+        if !std::path::Path::new(url).exists() {
+            return Err(Error::UrlRefused {
+                url: url.to_owned(),
+                why: format!("a PostgreSQL URL begins {scheme}:// (two slashes)"),
+            });
+        }
     }
     match url.split_once("://") {
         Some((scheme, _)) if !["sqlite", "postgres", "postgresql"].contains(&scheme) => {
@@ -1054,10 +1062,14 @@ impl Store {
     /// through (docs/operations.md, "Moving a store"). Reads every
     /// session's first event: an operator's query, not a request's.
     pub async fn tenants(&self) -> Result<Vec<(String, i64)>> {
-        match &self.backend {
-            Backend::Sqlite(b) => b.tenants().await,
-            Backend::Postgres(b) => b.tenants().await,
-        }
+        let mut tenants = match &self.backend {
+            Backend::Sqlite(b) => b.tenants().await?,
+            Backend::Postgres(b) => b.tenants().await?,
+        };
+        // By bytes, the same on both backends (a PostgreSQL database's
+        // collation orders names by its locale).
+        tenants.sort_unstable();
+        Ok(tenants)
     }
 
     /// One page of the global feed: events of every session with

@@ -618,54 +618,129 @@ fn options_with<'a>(
 
 /// The TLS settings the driver would otherwise find wrong only when it
 /// connects, and say as a failed connection (exit 4, "try again"): a
-/// certificate or key file that cannot be read or holds no PEM block of its
-/// kind (the driver reads PEM only; a file of no certificate made every
-/// server's certificate "unknown issuer"), and a `PGSSLMODE` it does not
-/// know, which it passes over in silence (connecting as `prefer`).
+/// certificate or key file that cannot be read or holds no PEM block the
+/// driver reads (PEM only, and no encrypted key: a file of no certificate
+/// made every server's certificate "unknown issuer"), a client certificate
+/// without its key, and a `PGSSLMODE` it does not know, which it passes
+/// over in silence (connecting as `prefer`).
+///
+/// Only the files the mode reads are judged, as the driver reads them: the
+/// authority's under `verify-ca` and `verify-full`; the client's under
+/// those and `require` (under `prefer` only if the server offers TLS,
+/// which is not known here: not judged). A variable set for `psql`
+/// (`PGSSLROOTCERT=system`) does not stop a URL that does not use it.
 fn tls_settings(url: &url::Url) -> std::result::Result<(), String> {
-    /// Each file's parameters (the last given wins, as in the driver), its
-    /// environment variable, and the PEM block it must hold.
-    const FILES: &[(&[&str], &str, &str, &str)] = &[
-        (
-            &["sslrootcert", "ssl-root-cert", "ssl-ca"],
-            "PGSSLROOTCERT",
-            "-----BEGIN CERTIFICATE-----",
-            "certificate",
-        ),
-        (
-            &["sslcert", "ssl-cert"],
-            "PGSSLCERT",
-            "-----BEGIN CERTIFICATE-----",
-            "certificate",
-        ),
-        (
-            &["sslkey", "ssl-key"],
-            "PGSSLKEY",
-            "PRIVATE KEY-----",
-            "private key",
-        ),
-    ];
-    for (keys, variable, block, kind) in FILES {
-        let given = url
-            .query_pairs()
-            .filter(|(k, _)| keys.contains(&k.as_ref()))
+    use sqlx::postgres::PgSslMode;
+    /// A file's parameters (the last given wins, as in the driver) and its
+    /// environment variable.
+    struct File {
+        keys: &'static [&'static str],
+        variable: &'static str,
+    }
+    const ROOT: File = File {
+        keys: &["sslrootcert", "ssl-root-cert", "ssl-ca"],
+        variable: "PGSSLROOTCERT",
+    };
+    const CERT: File = File {
+        keys: &["sslcert", "ssl-cert"],
+        variable: "PGSSLCERT",
+    };
+    const KEY: File = File {
+        keys: &["sslkey", "ssl-key"],
+        variable: "PGSSLKEY",
+    };
+    let given = |file: &File| -> Option<(String, String)> {
+        url.query_pairs()
+            .filter(|(k, _)| file.keys.contains(&k.as_ref()))
             .last()
             .map(|(k, v)| (format!("`{k}`"), v.into_owned()))
             .or_else(|| {
-                std::env::var(variable)
+                std::env::var(file.variable)
                     .ok()
-                    .map(|v| (format!("{variable} (in the environment)"), v))
-            });
-        let Some((named_by, value)) = given else {
-            continue;
-        };
-        let trimmed = value.trim();
-        if trimmed.starts_with("-----BEGIN") && trimmed.ends_with("-----") {
-            // The PEM text itself, which the driver takes inline.
-            continue;
+                    .map(|v| (format!("{} (in the environment)", file.variable), v))
+            })
+    };
+    let in_url = url
+        .query_pairs()
+        .filter(|(k, _)| k == "sslmode" || k == "ssl-mode")
+        .last()
+        .map(|(_, v)| v.into_owned());
+    let mode = match in_url {
+        // Judged by the driver already (options_with).
+        Some(mode) => mode.parse::<PgSslMode>().unwrap_or_default(),
+        None => match std::env::var("PGSSLMODE") {
+            Ok(mode) => mode.parse::<PgSslMode>().map_err(|_| {
+                format!(
+                    "PGSSLMODE (in the environment) is {mode:?}, not a mode the driver knows (disable, allow, prefer, require, verify-ca, verify-full): it would connect as `prefer`"
+                )
+            })?,
+            Err(_) => PgSslMode::Prefer,
+        },
+    };
+    let verifies = matches!(mode, PgSslMode::VerifyCa | PgSslMode::VerifyFull);
+    if verifies {
+        if let Some((named_by, value)) = given(&ROOT) {
+            if value == "system" {
+                return Err(format!(
+                    "{named_by} is libpq's `system` (the system's certificate store), which the driver does not read: leave it out to check the certificate against the public authorities built into the binary, or name the authority's PEM file"
+                ));
+            }
+            pem_file(
+                &named_by,
+                &value,
+                &["-----BEGIN CERTIFICATE-----"],
+                "certificate",
+            )?;
         }
-        let path = std::path::Path::new(&value);
-        let text = match std::fs::metadata(path) {
+    }
+    if verifies || matches!(mode, PgSslMode::Require) {
+        match (given(&CERT), given(&KEY)) {
+            (Some((cert_by, cert)), Some((key_by, key))) => {
+                pem_file(
+                    &cert_by,
+                    &cert,
+                    &["-----BEGIN CERTIFICATE-----"],
+                    "certificate",
+                )?;
+                let blocks = [
+                    "-----BEGIN PRIVATE KEY-----",
+                    "-----BEGIN RSA PRIVATE KEY-----",
+                    "-----BEGIN EC PRIVATE KEY-----",
+                ];
+                pem_file(&key_by, &key, &blocks, "private key").map_err(|e| {
+                    match pem_file(&key_by, &key, &["-----BEGIN ENCRYPTED PRIVATE KEY-----"], "") {
+                        Ok(()) => format!(
+                            "{key_by} names an encrypted private key, which the driver cannot decrypt (it takes no key password): decrypt it (openssl pkey -in KEY -out PLAIN) into a file only the store's user may read"
+                        ),
+                        Err(_) => e,
+                    }
+                })?;
+            }
+            (Some((by, _)), None) | (None, Some((by, _))) => {
+                return Err(format!(
+                    "{by} is given alone: a client certificate (`sslcert`) and its key (`sslkey`) go together"
+                ));
+            }
+            (None, None) => {}
+        }
+    }
+    Ok(())
+}
+
+/// Whether `value` (a path, or PEM text given inline as the driver takes
+/// it) holds one of the PEM `blocks`; said as the problem where not.
+fn pem_file(
+    named_by: &str,
+    value: &str,
+    blocks: &[&str],
+    kind: &str,
+) -> std::result::Result<(), String> {
+    let trimmed = value.trim();
+    let text = if trimmed.starts_with("-----BEGIN") && trimmed.ends_with("-----") {
+        value.as_bytes().to_vec()
+    } else {
+        let path = std::path::Path::new(value);
+        match std::fs::metadata(path) {
             Ok(m) if !m.is_file() => {
                 return Err(format!("{named_by} names {path:?}, which is not a file"));
             }
@@ -678,24 +753,20 @@ fn tls_settings(url: &url::Url) -> std::result::Result<(), String> {
             Ok(_) => std::fs::read(path),
             Err(e) => Err(e),
         }
-        .map_err(|e| format!("{named_by} names {path:?}, which cannot be read ({e})"))?;
-        if !String::from_utf8_lossy(&text).contains(block) {
-            return Err(format!(
-                "{named_by} names {path:?}, which holds no PEM {kind} (a block `{block}`; the driver reads PEM only)"
-            ));
-        }
+        .map_err(|e| format!("{named_by} names {path:?}, which cannot be read ({e})"))?
+    };
+    let text = String::from_utf8_lossy(&text);
+    if blocks.iter().any(|b| text.contains(b)) {
+        return Ok(());
     }
-    let mode_in_url = url
-        .query_pairs()
-        .any(|(k, _)| k == "sslmode" || k == "ssl-mode");
-    if let (false, Ok(mode)) = (mode_in_url, std::env::var("PGSSLMODE")) {
-        if mode.parse::<sqlx::postgres::PgSslMode>().is_err() {
-            return Err(format!(
-                "PGSSLMODE (in the environment) is {mode:?}, not a mode the driver knows (disable, allow, prefer, require, verify-ca, verify-full): it would connect as `prefer`"
-            ));
-        }
-    }
-    Ok(())
+    Err(format!(
+        "{named_by} names {}, which holds no PEM {kind} (a block `{}`; the driver reads PEM only)",
+        match trimmed.starts_with("-----BEGIN") {
+            true => "PEM text".to_owned(),
+            false => format!("{value:?}"),
+        },
+        blocks[0]
+    ))
 }
 
 /// Says once a process (a warning) which of libpq's environment variables
