@@ -538,38 +538,51 @@ const LIBPQ_KEYS: &[&str] = &[
     "load_balance_hosts",
 ];
 
-/// The `key=value` words of a libpq connection string, spaces around
-/// `=` taken out (`host = db` is `host=db` to libpq).
+/// The words of a libpq connection string as libpq reads them: `key =
+/// value` with spaces around `=` taken out, a value in single quotes kept
+/// whole (`password='a b'`, `\'` inside), a word without `=` alone.
 fn conninfo_words(s: &str) -> Vec<String> {
-    let mut out = String::new();
+    let mut words = Vec::new();
     let mut chars = s.chars().peekable();
-    let mut space = false;
-    while let Some(c) = chars.next() {
-        if c.is_ascii_whitespace() {
-            space = true;
-        } else if c == '=' {
-            out.push('=');
-            space = false;
-            while chars.next_if(char::is_ascii_whitespace).is_some() {}
-        } else {
-            if space && !out.is_empty() {
-                out.push(' ');
-            }
-            space = false;
-            out.push(c);
+    loop {
+        while chars.next_if(char::is_ascii_whitespace).is_some() {}
+        if chars.peek().is_none() {
+            return words;
         }
+        let mut word = String::new();
+        while let Some(c) = chars.next_if(|c| !c.is_ascii_whitespace() && *c != '=') {
+            word.push(c);
+        }
+        while chars.next_if(char::is_ascii_whitespace).is_some() {}
+        if chars.next_if_eq(&'=').is_some() {
+            word.push('=');
+            while chars.next_if(char::is_ascii_whitespace).is_some() {}
+            if chars.next_if_eq(&'\'').is_some() {
+                word.push('\'');
+                while let Some(c) = chars.next() {
+                    word.push(c);
+                    match c {
+                        '\\' => word.extend(chars.next()),
+                        '\'' => break,
+                        _ => {}
+                    }
+                }
+            } else {
+                while let Some(c) = chars.next_if(|c| !c.is_ascii_whitespace()) {
+                    word.push(c);
+                }
+            }
+        }
+        words.push(word);
     }
-    out.split(' ')
-        .filter(|w| !w.is_empty())
-        .map(str::to_owned)
-        .collect()
 }
 
 /// Whether `database` is a libpq connection string (`host=… dbname=…`),
-/// which the store does not take (it takes a URL): words of `key=value`
-/// with libpq's keywords. One word alone counts only without `/` or `.`,
-/// which a SQLite path in a directory named `host=web1` or a file
-/// `port=8080.db` has.
+/// which the store does not take (it takes a URL): its first word is
+/// `key=value` with one of libpq's keywords. One word alone counts only
+/// without `/` or `.`, which a SQLite path in a directory named
+/// `host=web1` or a file `port=8080.db` has; a path of several words
+/// whose first is not such (`my store user=bob.db`) is a path.
 pub(crate) fn is_conninfo(database: &str) -> bool {
     if database.contains("://") {
         return false;
@@ -581,7 +594,7 @@ pub(crate) fn is_conninfo(database: &str) -> bool {
     match conninfo_words(database).as_slice() {
         [] => false,
         [one] => keyed(one) && !one.contains(['/', '.']),
-        many => many.iter().any(keyed),
+        [first, ..] => keyed(first),
     }
 }
 
@@ -589,8 +602,10 @@ pub(crate) fn is_conninfo(database: &str) -> bool {
 /// `postgresql:app@h`), which would be read as a SQLite path and quoted
 /// whole.
 pub(crate) fn postgres_scheme_typo(database: &str) -> Option<&str> {
-    let (scheme, _) = database.split_once(':')?;
+    let (scheme, rest) = database.split_once(':')?;
+    // `postgres:backup.db` is a file's name.
     (!database.contains("://")
+        && (rest.starts_with('/') || rest.contains('@'))
         && ["postgres", "postgresql"]
             .iter()
             .any(|p| scheme.eq_ignore_ascii_case(p)))
@@ -767,7 +782,12 @@ mod redaction_and_chain_tests {
                 "host=db port=5432 dbname=x user=app password=S3cret sslmode=require",
                 "host=db port=5432 dbname=x user=app password=*** sslmode=require",
             ),
-            ("host=db password='a b'", "host=db password=*** ***"),
+            ("host=db password='a b'", "host=db password=***"),
+            (
+                "host=db password='it\\'s x' user=u",
+                "host=db password=*** user=u",
+            ),
+            ("host=db password=a b", "host=db password=*** ***"),
             (
                 "host = db user = app password = S3cret",
                 "host=db user=app password=***",
@@ -778,6 +798,8 @@ mod redaction_and_chain_tests {
             // SQLite paths stay as they are.
             ("host=web1/s.db", "host=web1/s.db"),
             ("port=8080.db", "port=8080.db"),
+            ("my store user=bob.db", "my store user=bob.db"),
+            ("postgres:backup.db", "postgres:backup.db"),
         ] {
             assert_eq!(redact_url(url), said);
         }

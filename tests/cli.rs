@@ -1567,11 +1567,21 @@ fn writes_for_a_tenant_claim_their_sessions_and_refuse_others() {
                 stderr(&out)
             );
         }
-        // A name starting with `-` is a value of `--tenant`, not a flag.
+        // A name starting with `-` is given as `--tenant=-ops` (as the
+        // move loop writes it); `--tenant` followed by a flag is a missing
+        // value, not a tenant named by the flag.
         let dashed = r#"{"session_id":"88888888-0000-4000-8000-000000000008","type":"session_started","mode":"agent"}"#;
-        let out = run(url, &["import", "--tenant", "-ops"], Some(dashed));
+        let out = run(
+            url,
+            &["import", "--tenant", "--write-timeout=10"],
+            Some(dashed),
+        );
+        assert_eq!(out.status.code(), Some(2), "{backend}: {}", stderr(&out));
+        let out = run(url, &["import", "--tenant=-ops"], Some(dashed));
         assert!(out.status.success(), "{backend}: {}", stderr(&out));
-        assert_eq!(tenants_events(url, "-ops"), 1, "{backend}");
+        let out = run(url, &["audit", "events", "--tenant=-ops", "--json"], None);
+        let page: Value = serde_json::from_str(&stdout(&out)).unwrap();
+        assert_eq!(page["events"].as_array().unwrap().len(), 1, "{backend}");
         // The tenants the store holds, with the default tenant's sessions
         // (no owner row): what a move goes through.
         let other = r#"{"session_id":"99999999-0000-4000-8000-000000000009","type":"session_started","mode":"agent"}"#;

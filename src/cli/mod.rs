@@ -96,7 +96,7 @@ pub enum Command {
         /// neither checked nor claimed: their new sessions are the tenant
         /// `default`'s. How a store moves with its tenants:
         /// docs/operations.md.
-        #[arg(long, value_parser = parse_tenant, allow_hyphen_values = true)]
+        #[arg(long, value_parser = parse_tenant)]
         tenant: Option<String>,
 
         /// Seconds one write (a batch) may take before the command exits 4
@@ -121,7 +121,7 @@ pub enum Command {
         /// neither checked nor claimed: their new sessions are the tenant
         /// `default`'s. How a store moves with its tenants:
         /// docs/operations.md.
-        #[arg(long, value_parser = parse_tenant, allow_hyphen_values = true)]
+        #[arg(long, value_parser = parse_tenant)]
         tenant: Option<String>,
         /// Seconds one write (a batch) may take before the command exits 4
         /// saying it could not be confirmed stored: a database that stops
@@ -327,7 +327,7 @@ pub enum AuditCommand {
 #[derive(Debug, clap::Args)]
 pub struct ScopeArgs {
     /// Only this tenant's sessions (every tenant without it).
-    #[arg(long, value_parser = parse_tenant_filter, allow_hyphen_values = true)]
+    #[arg(long, value_parser = parse_tenant_filter)]
     pub tenant: Option<String>,
     /// Only this session.
     #[arg(long)]
