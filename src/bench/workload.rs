@@ -283,11 +283,11 @@ impl Mix {
         self.turns += 1;
         let pool = self.pool.clone();
         if self.housekeeping {
-            if self.turns % COMPACT_EVERY == 0 {
+            if self.turns.is_multiple_of(COMPACT_EVERY) {
                 let c = self.compaction();
                 self.pending.push_back(c);
             }
-            if self.turns % 100 == 0 {
+            if self.turns.is_multiple_of(100) {
                 let drop = self.rng.below(DEFERRED.len());
                 let tools = DEFERRED
                     .iter()
@@ -300,7 +300,7 @@ impl Mix {
                     deferred_tools: tools,
                 });
             }
-            if self.turns % 40 == 0 {
+            if self.turns.is_multiple_of(40) {
                 self.pending.push_back(EventBody::ModeSwitched {
                     mode: "plan".into(),
                 });
