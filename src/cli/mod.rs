@@ -512,7 +512,7 @@ pub enum CliError {
     // have gone through unseen (a re-run is safe for lines with an
     // event_id, answered from the log, and may store again those without
     // one); "were not stored" when the storage said nothing was.
-    #[error("{} (session {session}) {}: {cause}", if first == last { format!("line {first}") } else { format!("lines {first}–{last}") }, match (first == last, cause.may_be_stored()) { (true, true) => "could not be confirmed stored", (true, false) => "was not stored", (false, true) => "could not be confirmed stored", (false, false) => "were not stored" })]
+    #[error("{} (session {session}) {}: {cause}", if first == last { format!("line {first}") } else { format!("lines {first}–{last}") }, if cause.may_be_stored() { "could not be confirmed stored" } else if first == last { "was not stored" } else { "were not stored" })]
     LinesNotStored {
         /// The run's first line.
         first: usize,

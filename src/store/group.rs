@@ -170,14 +170,17 @@ fn again(e: &Error) -> Error {
     match e {
         Error::Unavailable(m) => Error::Unavailable(m.clone()),
         Error::OutcomeUnknown(m) => Error::OutcomeUnknown(m.clone()),
-        // Its words without their "database error: ", which the new
-        // error says once.
-        Error::Database(m) => Error::Database(format!(
-            "the transaction this append was written in failed, and nothing of it was stored: {m}"
-        )),
-        other => Error::Database(format!(
-            "the transaction this append was written in failed, and nothing of it was stored: {other}"
-        )),
+        other => {
+            // A database error's words without their "database error: ",
+            // which the new error says once.
+            let cause = match other {
+                Error::Database(m) => m.clone(),
+                e => e.to_string(),
+            };
+            Error::Database(format!(
+                "the transaction this append was written in failed, and nothing of it was stored: {cause}"
+            ))
+        }
     }
 }
 
