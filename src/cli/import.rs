@@ -478,16 +478,14 @@ async fn import_into<I: Iterator<Item = InputLine>>(
             Fed::Line(line) => line,
             Fed::End => break,
             Fed::Idle => {
-                if let Some(s) = batch_session.take() {
-                    flush(
-                        target,
-                        s,
-                        std::mem::take(&mut batch),
-                        &mut sessions,
-                        summary,
-                    )
-                    .await?;
-                }
+                flush_held(
+                    target,
+                    batch_session.take(),
+                    &mut batch,
+                    &mut sessions,
+                    summary,
+                )
+                .await?;
                 continue;
             }
         };
@@ -496,16 +494,14 @@ async fn import_into<I: Iterator<Item = InputLine>>(
         let (n, ParsedLine { session_id, event }) = match parsed {
             Ok(p) => p,
             Err(error) => {
-                if let Some(s) = batch_session.take() {
-                    flush(
-                        target,
-                        s,
-                        std::mem::take(&mut batch),
-                        &mut sessions,
-                        summary,
-                    )
-                    .await?;
-                }
+                flush_held(
+                    target,
+                    batch_session.take(),
+                    &mut batch,
+                    &mut sessions,
+                    summary,
+                )
+                .await?;
                 return Err(error);
             }
         };
@@ -520,25 +516,14 @@ async fn import_into<I: Iterator<Item = InputLine>>(
             || batch_is_full(batch.len(), batch_bytes, bytes, IMPORT_BATCH)
             || repeats
         {
-            if let Some(s) = batch_session {
-                flush(
-                    target,
-                    s,
-                    std::mem::take(&mut batch),
-                    &mut sessions,
-                    summary,
-                )
-                .await?;
-            }
+            flush_held(target, batch_session, &mut batch, &mut sessions, summary).await?;
             batch_session = Some(session);
             batch_bytes = 0;
         }
         batch.push((n, event));
         batch_bytes += bytes;
     }
-    if let Some(s) = batch_session {
-        flush(target, s, batch, &mut sessions, summary).await?;
-    }
+    flush_held(target, batch_session, &mut batch, &mut sessions, summary).await?;
     summary.sessions = sessions.len();
     info!(
         written = summary.written,
@@ -546,6 +531,21 @@ async fn import_into<I: Iterator<Item = InputLine>>(
         "import done"
     );
     Ok(())
+}
+
+/// [`flush`] of the run held, if there is one (`held`, its session): its
+/// lines are moved out of `batch`.
+async fn flush_held(
+    target: &mut WriteTarget<'_>,
+    held: Option<Uuid>,
+    batch: &mut Vec<(usize, NewEvent)>,
+    sessions: &mut HashSet<Uuid>,
+    summary: &mut ImportSummary,
+) -> Result<(), CliError> {
+    match held {
+        Some(session) => flush(target, session, std::mem::take(batch), sessions, summary).await,
+        None => Ok(()),
+    }
 }
 
 /// Appends one session's run of lines. On a validation error the valid
