@@ -278,19 +278,32 @@ impl Error {
     /// failure is anywhere else; anything else is the schema's.
     pub fn from_migration(backend: &str, e: sqlx::migrate::MigrateError) -> Error {
         use sqlx::migrate::MigrateError;
-        let said = e.to_string();
-        match e {
-            MigrateError::Execute(inner) | MigrateError::ExecuteMigration(inner, _) => {
-                match Error::from_sqlx(inner) {
-                    Error::Unavailable(m) => {
-                        Error::Unavailable(format!("migrating the {backend} database failed: {m}"))
-                    }
-                    _ => {
-                        Error::Database(format!("migrating the {backend} database failed: {said}"))
-                    }
-                }
+        let (inner, version) = match e {
+            MigrateError::Execute(inner) => (inner, None),
+            MigrateError::ExecuteMigration(inner, version) => (inner, Some(version)),
+            // A store that a newer build migrated: this build cannot know
+            // what the newer schema means, and says what to do.
+            MigrateError::VersionMissing(version) => {
+                return Error::Database(format!(
+                    "this {backend} store was migrated by a newer session-store: its migration {version} is not one this build knows. Run the newer session-store on it, or restore a backup taken before the upgrade (docs/operations.md, \"Upgrades\")"
+                ));
             }
-            _ => Error::Database(format!("migrating the {backend} database failed: {said}")),
+            other => {
+                return Error::Database(format!(
+                    "migrating the {backend} database failed: {other}"
+                ));
+            }
+        };
+        // The database's words as `from_sqlx` says them (with the remedy
+        // it knows), and the migration that failed.
+        let at = version
+            .map(|v| format!(" at migration {v}"))
+            .unwrap_or_default();
+        let failed = format!("migrating the {backend} database failed{at}");
+        match Error::from_sqlx(inner) {
+            Error::Unavailable(m) => Error::Unavailable(format!("{failed}: {m}")),
+            Error::Database(m) => Error::Database(format!("{failed}: {m}")),
+            other => Error::Database(format!("{failed}: {other}")),
         }
     }
 
@@ -359,6 +372,15 @@ impl Error {
                 // database's settings, which the operator fixes. Not
                 // `Unavailable`: trying again cannot help (`import` tried
                 // for 10 s before it said so).
+                // No schema to create the store's tables in (3F000): the
+                // `search_path` names none that exists. The operator's to
+                // fix, said with how.
+                if code == "3F000" {
+                    return Error::Database(format!(
+                        "{}: the schema the connection's search_path names does not exist in this database; create it first (CREATE SCHEMA name), or name an existing one (docs/operations.md, \"A schema of its own\")",
+                        db.message()
+                    ));
+                }
                 if code == "25006" || code == "42501" {
                     return Error::Database(format!(
                         "the database refused this role: {}; the role the store connects as must be able to read and write the store's tables",
@@ -688,17 +710,23 @@ mod tests {
             match Error::from_migration("PostgreSQL", e) {
                 Error::Unavailable(m) => {
                     assert!(
-                        m.starts_with("migrating the PostgreSQL database failed: the connection"),
+                        m.starts_with("migrating the PostgreSQL database failed")
+                            && m.contains(": the connection"),
                         "{m}"
                     )
                 }
                 other => panic!("{other:?}"),
             }
         }
-        assert!(matches!(
-            Error::from_migration("SQLite", MigrateError::VersionMissing(2)),
-            Error::Database(_)
-        ));
+        // A store a newer build migrated: said as that, with what to do.
+        match Error::from_migration("SQLite", MigrateError::VersionMissing(2)) {
+            Error::Database(m) => assert!(
+                m.contains("migrated by a newer session-store: its migration 2")
+                    && m.contains("restore a backup"),
+                "{m}"
+            ),
+            other => panic!("{other:?}"),
+        }
     }
 
     /// Driver failures are said as what happened, not in sqlx's words.

@@ -424,6 +424,26 @@ fn postgres_urls_are_refused_precisely_and_a_read_only_role_is_said() {
     );
     let out = run(&socket, &["activations", SESSION], "");
     assert!(out.status.success(), "{socket}: {}", stderr(&out));
+    // A search_path naming a schema that does not exist: said with how to
+    // make it (not as an outage to retry), the store left unmade.
+    let no_schema = format!("{url}?options=-csearch_path%3Dnosuch");
+    for args in [&["migrate"][..], &["import"]] {
+        let out = run(&no_schema, args, &log());
+        assert_eq!(out.status.code(), Some(4), "{args:?}: {}", stderr(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains("does not exist in this database") && err.contains("CREATE SCHEMA"),
+            "{args:?}: {err}"
+        );
+    }
+    common::raw_sql(&url, "CREATE SCHEMA nosuch");
+    let out = run(&no_schema, &["migrate"], "");
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).starts_with("the schema is up to date: migration "),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     // A role whose transactions are read-only, and one that may only read.
     for sql in [
         "CREATE ROLE ro LOGIN",

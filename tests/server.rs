@@ -2039,3 +2039,111 @@ async fn stream_lag_counts_only_what_was_appended_while_it_was_open() {
         "{text}"
     );
 }
+
+/// A large body is judged as a small one would be (its size and rules
+/// in SEMANTICS §2's order: the expected seq, then the events one by
+/// one), and while one parses, other requests are answered: bodies over
+/// 64 KiB are parsed off the runtime (a review: two 8 MB bodies held
+/// `/healthz` for 2.2 s, sixteen for 9.4 s).
+#[tokio::test]
+async fn large_bodies_are_judged_as_small_ones_and_hold_no_one_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = dir.path().join("s.db").display().to_string();
+    let store = open(
+        &url,
+        StoreOptions {
+            max_event_bytes: 100_000,
+            ..StoreOptions::default()
+        },
+    )
+    .await;
+    let app = router(&store, ServerConfig::default());
+    let id = Uuid::new_v4();
+    let uri = events_uri(id);
+    let text = |n: usize| "x".repeat(n);
+    let prompt = |n: usize| json!({"type": "prompt_submitted", "text": text(n)});
+    // Under the event limit, over the inline bound: stored.
+    let (s, v) = post(
+        &app,
+        &uri,
+        None,
+        &json!({"expected_seq": 0, "events": [
+            {"type": "session_started", "mode": "m"}, prompt(80_000)]}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    // An event over the limit: 422 at its index, nothing stored.
+    let (s, v) = post(
+        &app,
+        &uri,
+        None,
+        &json!({"expected_seq": 2, "events": [prompt(10), prompt(150_000), prompt(10)]}),
+    )
+    .await;
+    assert_error(s, &v, StatusCode::UNPROCESSABLE_ENTITY, "invalid");
+    assert_eq!(
+        (v["rule"].as_str(), v["index"].as_u64()),
+        (Some("event-too-large"), Some(1)),
+        "{v}"
+    );
+    assert_eq!(store.head_seq(id).await.unwrap(), 2);
+    // A stale expected seq is heard before the event's size.
+    let (s, v) = post(
+        &app,
+        &uri,
+        None,
+        &json!({"expected_seq": 1, "events": [prompt(150_000)]}),
+    )
+    .await;
+    assert_error(s, &v, StatusCode::CONFLICT, "conflict");
+    assert_eq!(v["current_seq"], 2, "{v}");
+    // An earlier event's rule is heard before a later event's size.
+    let orphan =
+        json!({"type": "tool_result", "call_id": "none", "tool_name": "t", "status": "success"});
+    let (s, v) = post(
+        &app,
+        &uri,
+        None,
+        &json!({"expected_seq": 2, "events": [orphan, prompt(150_000)]}),
+    )
+    .await;
+    assert_error(s, &v, StatusCode::UNPROCESSABLE_ENTITY, "invalid");
+    assert_eq!(v["index"], 0, "{v}");
+    assert_ne!(v["rule"], "event-too-large", "{v}");
+    assert_eq!(store.head_seq(id).await.unwrap(), 2);
+
+    // A body of a few MB of small JSON values takes seconds to parse in a
+    // test build. This test's runtime has one thread: parsed there, the
+    // body would hold `/healthz` until it was done.
+    let heavy = format!(
+        r#"{{"expected_seq": 2, "events": [{{"type": "tool_call", "call_id": "c", "tool_name": "t", "input": [{}]}}]}}"#,
+        vec!["{}"; 1_000_000].join(",")
+    );
+    let parse = tokio::spawn({
+        let (app, uri) = (app.clone(), uri.clone());
+        async move {
+            let started = std::time::Instant::now();
+            let (s, v, _) = call(
+                &app,
+                Method::POST,
+                &uri,
+                None,
+                Some("application/json"),
+                heavy,
+            )
+            .await;
+            (s, v, started.elapsed())
+        }
+    });
+    let asked = std::time::Instant::now();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(get(&app, "/healthz", None).await.0, StatusCode::OK);
+    let answered = asked.elapsed();
+    let (s, v, took) = parse.await.unwrap();
+    assert_error(s, &v, StatusCode::UNPROCESSABLE_ENTITY, "invalid");
+    assert_eq!(v["rule"], "event-too-large", "{v}");
+    assert!(
+        answered < Duration::from_millis(20) + took / 2,
+        "/healthz answered {answered:?} after it was asked, beside a body parsed in {took:?}"
+    );
+}

@@ -725,7 +725,9 @@ async fn import_pi_once(
         PiAttempt::Failed(CliError::Input(format!(
             "session {id} already holds events this file does not produce (seq {seq}: {what}); \
              it was imported from another branch or version of the pi file, or written by something else, \
-             and is left unchanged"
+             and is left unchanged. To keep both: `export` it to keep a copy, then import the file \
+             into a store that does not hold this session (its id comes from the file's header; \
+             docs/pi-import.md, \"Re-import\")"
         )))
     };
     // The judging state keeps the window's rows without their texts.

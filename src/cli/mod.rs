@@ -398,7 +398,9 @@ pub struct ServeArgs {
     pub listen: std::net::SocketAddr,
     /// The token document (JSON: {"tokens": [{"token", "tenant",
     /// "scopes"}]}); SESSION_STORE_TOKENS may hold the document itself.
-    #[arg(long, env = "SESSION_STORE_TOKENS_FILE",
+    // The value hidden as DATABASE_URL's is: clap shows an unset
+    // variable as `NAME=`, which reads as set to empty (refused at start).
+    #[arg(long, env = "SESSION_STORE_TOKENS_FILE", hide_env_values = true,
           value_parser = clap::builder::OsStringValueParser::new().try_map(parse_tokens_file))]
     pub tokens: Option<PathBuf>,
     /// Serve without tokens on a non-loopback address (behind a proxy that
@@ -1105,11 +1107,13 @@ async fn run_write(
                 let parsed = parse_input_line(line, LineKind::Append, max_bytes);
                 let bound = if events.len() >= max_batch_events as usize {
                     Some(format!(
-                        "more than {max_batch_events} events (--max-batch-events)"
+                        "more than {} (--max-batch-events)",
+                        count(max_batch_events as usize, "event")
                     ))
                 } else if bytes > max_batch_bytes {
                     Some(format!(
-                        "more than {max_batch_bytes} bytes of lines (--max-batch-bytes)"
+                        "more than {} of lines (--max-batch-bytes)",
+                        count(max_batch_bytes, "byte")
                     ))
                 } else {
                     None
@@ -1184,7 +1188,13 @@ async fn run_on(store: &Store, command: Command, out: &mut dyn Write) -> Result<
             ));
         }
         Command::Migrate => {
-            writeln!(out, "migrations applied").map_err(io)?;
+            // The open migrated: the schema is at this build's latest.
+            writeln!(
+                out,
+                "the schema is up to date: migration {}, the latest this build knows",
+                store.schema_version()
+            )
+            .map_err(io)?;
         }
         Command::Context {
             session,
@@ -1356,7 +1366,7 @@ async fn run_on(store: &Store, command: Command, out: &mut dyn Write) -> Result<
                 }
                 if report.intact() {
                     return match drift {
-                        Some(difference) => Err(CliError::Drift(difference)),
+                        Some(difference) => Err(view_drift(difference)),
                         None => Ok(()),
                     };
                 }
@@ -1381,7 +1391,7 @@ async fn run_on(store: &Store, command: Command, out: &mut dyn Write) -> Result<
             for s in &sessions {
                 if let Some(difference) = store.verify(*s).await? {
                     bar.finish_and_clear();
-                    return Err(CliError::Drift(difference));
+                    return Err(view_drift(difference));
                 }
                 bar.inc(1);
             }
@@ -1620,13 +1630,23 @@ async fn audit(store: &Store, query: AuditCommand, out: &mut dyn Write) -> Resul
         AuditCommand::Tenants { json } => {
             let tenants = store.tenants().await?;
             if json {
+                /// Structs, not `json!` (whose maps sort their keys), so
+                /// that the keys keep the documented order (`tenant`
+                /// first).
+                #[derive(serde::Serialize)]
+                struct TenantRow<'a> {
+                    tenant: &'a str,
+                    sessions: &'a i64,
+                }
                 let tenants: Vec<_> = tenants
                     .iter()
-                    .map(|(tenant, sessions)| {
-                        serde_json::json!({"tenant": tenant, "sessions": sessions})
-                    })
+                    .map(|(tenant, sessions)| TenantRow { tenant, sessions })
                     .collect();
-                return print_json(out, &serde_json::json!({ "tenants": tenants }));
+                #[derive(serde::Serialize)]
+                struct Tenants<'a> {
+                    tenants: Vec<TenantRow<'a>>,
+                }
+                return print_json(out, &Tenants { tenants });
             }
             for (tenant, sessions) in &tenants {
                 // Quoted: a name may hold spaces inside.
@@ -1740,6 +1760,16 @@ fn print_refresh(r: &Refresh, out: &mut dyn Write) -> std::io::Result<()> {
 }
 
 /// "1 event", "2 events".
+/// `verify`'s verdict on a view that disagrees with its log, with the
+/// remedy: the log is the truth (SEMANTICS §8), so recomputing the views
+/// from it repairs them. (A log changed behind the store's back is said
+/// apart: no rebuild repairs that.)
+fn view_drift(difference: String) -> CliError {
+    CliError::Drift(format!(
+        "{difference}; `session-store rebuild` recomputes the views from the log"
+    ))
+}
+
 fn count(n: usize, noun: &str) -> String {
     if n == 1 {
         format!("1 {noun}")

@@ -31,7 +31,9 @@ pub struct ErrorBody {
     pub error: String,
     /// One sentence saying what is wrong.
     pub message: String,
-    /// For `invalid`: the SEMANTICS §4 rule broken (its kebab-case code).
+    /// The SEMANTICS §4 rule broken (its kebab-case code): for `invalid`,
+    /// and `malformed-json` for a `bad_request` body that is not JSON, or
+    /// not the append's JSON object.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rule: Option<String>,
     /// For `invalid`: the field at fault, when one is.

@@ -143,6 +143,9 @@ struct Inner {
     config: ServerConfig,
     /// The response memory, in KiB permits.
     response_kib: Arc<tokio::sync::Semaphore>,
+    /// The append bodies being parsed off the runtime at once, in KiB
+    /// permits ([`parse_append_aside`]).
+    parse_kib: Arc<tokio::sync::Semaphore>,
     metrics: Metrics,
     /// Turns true when shutdown starts: streams end, so connections drain.
     shutdown: watch::Sender<bool>,
@@ -170,10 +173,12 @@ impl Server {
     pub fn new(store: Arc<Store>, config: ServerConfig) -> Server {
         let (shutdown, _) = watch::channel(false);
         let response_kib = Arc::new(tokio::sync::Semaphore::new(response_kib_total(&config)));
+        let parse_kib = Arc::new(tokio::sync::Semaphore::new(parse_kib_total(&config)));
         Server {
             inner: Arc::new(Inner {
                 store,
                 response_kib,
+                parse_kib,
                 config,
                 metrics: Metrics::new(),
                 shutdown,
@@ -363,6 +368,17 @@ async fn refuse_announced_size(limit: usize, req: Request, next: Next) -> Respon
         .into_response(),
         _ => next.run(req).await,
     }
+}
+
+/// Two bodies of the largest size taken, one a core here: parsing is
+/// CPU-bound, and a body's JSON tree takes up to about 30 times its bytes
+/// (an 8 MB array of `{}` took 235 MB), so more at once would only hold
+/// more memory.
+fn parse_kib_total(config: &ServerConfig) -> usize {
+    (config.body_limit / 1024)
+        .saturating_add(1)
+        .saturating_mul(2)
+        .clamp(1, tokio::sync::Semaphore::MAX_PERMITS)
 }
 
 fn response_kib_total(config: &ServerConfig) -> usize {
@@ -775,7 +791,11 @@ type ParsedEvents = (Vec<NewEvent>, Option<ValidationError>);
 /// the events before it, and judged after them (SEMANTICS §2: a stale
 /// writer hears of the conflict first, and the events are judged one by
 /// one, so an earlier event's error answers first).
-fn parse_append(body: &[u8], max_events: usize) -> Result<(i64, ParsedEvents), ApiError> {
+fn parse_append(
+    body: &[u8],
+    max_events: usize,
+    max_event_bytes: usize,
+) -> Result<(i64, ParsedEvents), ApiError> {
     let malformed = |m: String| {
         let mut a = ApiError::bad_request(m);
         a.body.rule = Some(Rule::MalformedJson.code().to_owned());
@@ -862,10 +882,21 @@ fn parse_append(body: &[u8], max_events: usize) -> Result<(i64, ParsedEvents), A
             format!("unknown field `{unknown}`: the body has `expected_seq` and `events` only"),
         ));
     }
-    Ok((expected_seq, parse_events(events)))
+    // An event's JSON text is never longer than its span of the body (the
+    // store writes it without whitespace, with no longer escapes and the
+    // numbers as sent): only a body over the limit can hold an event
+    // over it, and only then are the events measured here.
+    let size_cap = (body.len() > max_event_bytes).then_some(max_event_bytes);
+    Ok((expected_seq, parse_events(events, size_cap)))
 }
 
-fn parse_events(events: Vec<Value>) -> ParsedEvents {
+/// The batch's events, up to the first that cannot be read, and why it
+/// cannot. With `size_cap`, an event over it is that one, as the store
+/// would judge it (SEMANTICS §4, its size before its rules): measured
+/// here, where the body is parsed off the runtime, it and the events
+/// after it are dropped at once rather than held as JSON trees until the
+/// store's judgement (an 8 MB body of small values takes ~235 MB).
+fn parse_events(events: Vec<Value>, size_cap: Option<usize>) -> ParsedEvents {
     let mut batch = Vec::with_capacity(events.len());
     for (i, e) in events.into_iter().enumerate() {
         let Value::Object(obj) = e else {
@@ -877,7 +908,15 @@ fn parse_events(events: Vec<Value>) -> ParsedEvents {
             return (batch, Some(v.at_index(i)));
         };
         match parse_event_object(obj, LineKind::Append) {
-            Ok(parsed) => batch.push(parsed.event),
+            Ok(parsed) => {
+                if let Some(cap) = size_cap {
+                    let len = parsed.event.body.to_json_text().len();
+                    if let Err(v) = crate::validate::check_size(len, cap) {
+                        return (batch, Some(v.at_index(i)));
+                    }
+                }
+                batch.push(parsed.event)
+            }
             Err(v) => return (batch, Some(v.at_index(i))),
         }
     }
@@ -977,6 +1016,56 @@ async fn read_body(mut body: axum::body::Body, limit: usize) -> Result<Vec<u8>, 
     }
 }
 
+/// Bodies up to this size are parsed where their request runs.
+const PARSE_INLINE_BYTES: usize = 64 * 1024;
+
+/// [`parse_append`], for a body over [`PARSE_INLINE_BYTES`] on the
+/// blocking pool, within the parse budget ([`parse_kib_total`]).
+///
+/// Parsed on the runtime's threads (two here), two 8 MB bodies of small
+/// JSON values (1.5–3 s each) held every other request, `/healthz`
+/// included, for seconds, and 32 at once took the server to 3 GB before
+/// their refusals (a review, 2026-12-07). A body waits for its share of
+/// the budget (its request's timeout bounds the wait), and the share is
+/// held until its parse ends, even when the request was given up on
+/// meanwhile.
+async fn parse_append_aside(
+    server: &Server,
+    body: Vec<u8>,
+    max_events: usize,
+) -> Result<(i64, ParsedEvents), ApiError> {
+    let max_event_bytes = server.inner.store.max_event_bytes();
+    if body.len() <= PARSE_INLINE_BYTES {
+        return parse_append(&body, max_events, max_event_bytes);
+    }
+    let total = parse_kib_total(&server.inner.config);
+    let kib = (body.len() / 1024).saturating_add(1).clamp(1, total);
+    let share = u32::try_from(kib).unwrap_or(u32::MAX);
+    let failed = |cause: &dyn std::fmt::Display| {
+        warn!(cause = %cause, "parsing an append's body failed");
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "the append's body could not be parsed; the server log has the cause",
+        )
+    };
+    // The budget is never closed: an error here is not expected.
+    let permit = server
+        .inner
+        .parse_kib
+        .clone()
+        .acquire_many_owned(share)
+        .await
+        .map_err(|e| failed(&e))?;
+    tokio::task::spawn_blocking(move || {
+        let parsed = parse_append(&body, max_events, max_event_bytes);
+        drop(permit);
+        parsed
+    })
+    .await
+    .map_err(|e| failed(&e))?
+}
+
 /// Appends a batch.
 #[utoipa::path(
     post,
@@ -1013,9 +1102,11 @@ async fn append(
     require_json(&headers)?;
     let body = read_body(body, server.inner.config.body_limit).await?;
     let max_events = server.inner.config.max_batch_events;
-    let (expected_seq, parsed) = parse_append(&body, max_events).inspect_err(|_| {
-        server.inner.metrics.append_outcome("invalid");
-    })?;
+    let (expected_seq, parsed) = parse_append_aside(&server, body, max_events)
+        .await
+        .inspect_err(|_| {
+            server.inner.metrics.append_outcome("invalid");
+        })?;
     // With an event that could not be read, the batch is judged up to it
     // (the tenant, the expected seq, the events before it) and refused.
     let (events, invalid) = parsed;

@@ -737,6 +737,22 @@ impl Store {
         }
     }
 
+    /// The largest event this store accepts, in bytes of JSON text (§4;
+    /// [`StoreOptions::max_event_bytes`]).
+    pub fn max_event_bytes(&self) -> usize {
+        self.options.max_event_bytes
+    }
+
+    /// The version of the latest migration this build knows for the
+    /// store's backend: once opened, the store's schema is at it (an open
+    /// migrates, and refuses a store migrated past it).
+    pub fn schema_version(&self) -> i64 {
+        match self.backend {
+            Backend::Sqlite(_) => sqlite::latest_migration(),
+            Backend::Postgres(_) => postgres::latest_migration(),
+        }
+    }
+
     /// Applies pending migrations (also done by [`Store::open`]).
     pub async fn migrate(&self) -> Result<()> {
         match &self.backend {

@@ -31,6 +31,11 @@ use crate::event::{EventBody, StoredEvent};
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
 
+/// The latest migration this build knows: an open store's schema is at it.
+pub(crate) fn latest_migration() -> i64 {
+    MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0)
+}
+
 mod open;
 
 use open::*;
