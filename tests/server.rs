@@ -373,6 +373,9 @@ both_backends!(every_documented_status, |url: String| async move {
         ("limit=1001", "limit"),
         ("limit=0", "limit"),
         ("after_seq=-1", "after_seq"),
+        // Whole numbers past what the parameter's type holds.
+        ("limit=99999999999999999999", "limit"),
+        ("after_seq=-99999999999999999999", "after_seq"),
     ] {
         let (s, v) = get(&app, &format!("{uri}?{q}"), None).await;
         assert_error(s, &v, StatusCode::UNPROCESSABLE_ENTITY, "invalid");
@@ -1961,6 +1964,47 @@ async fn a_body_in_a_coding_the_server_does_not_decode_is_415() {
             v["message"].as_str().unwrap().contains("gzip") || coding == "br",
             "{v}"
         );
+    }
+    // A charset other than UTF-8, and two types: 415 naming why; UTF-8
+    // said in any case is JSON's own.
+    for (types, says) in [
+        (
+            &["application/json; charset=utf-16"][..],
+            Some("\"utf-16\""),
+        ),
+        (&["application/json;charset=\"latin1\""], Some("\"latin1\"")),
+        (
+            &["application/json", "text/plain"],
+            Some("2 `Content-Type` headers"),
+        ),
+        (&["application/json; charset=UTF-8"], None),
+    ] {
+        // A session of its own: the `identity` case below stores in `uri`.
+        let uri = events_uri(Uuid::new_v4());
+        let mut request = Request::builder().method(Method::POST).uri(&uri);
+        for t in types {
+            request = request.header(header::CONTENT_TYPE, *t);
+        }
+        let response = app
+            .clone()
+            .oneshot(request.body(Body::from(plain.to_string())).unwrap())
+            .await
+            .unwrap();
+        let status = response.status();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        let v: Value = serde_json::from_slice(&bytes).unwrap();
+        match says {
+            Some(says) => {
+                assert_error(
+                    status,
+                    &v,
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    "unsupported_media_type",
+                );
+                assert!(v["message"].as_str().unwrap().contains(says), "{v}");
+            }
+            None => assert_eq!(status, StatusCode::CREATED, "{types:?}: {v}"),
+        }
     }
     // `identity` is no coding at all.
     let request = Request::builder()

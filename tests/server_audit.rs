@@ -383,6 +383,7 @@ both_backends!(
             "/v1/audit/events?since=2026-02-01T00:00:00Z&until=2026-01-01T00:00:00Z",
             "/v1/audit/events?after=-1",
             "/v1/audit/events?from_position=-1",
+            "/v1/audit/events?limit=99999999999999999999",
             "/v1/audit/events?from_position=10&to_position=5",
             // A cursor no page gives: its tool is no name an event carries.
             "/v1/audit/changes?after=5:",

@@ -647,8 +647,31 @@ fn parse_session_id(id: &str) -> Result<Uuid, ApiError> {
 fn query<T>(q: Params<T>) -> Result<T, ApiError> {
     q.0.map_err(|e| match e {
         QueryProblem::NotUtf8(why) => ApiError::bad_request(why),
-        QueryProblem::Rejected(e) => ApiError::bad_request(query_message(&e.body_text())),
+        QueryProblem::Rejected(e) => beyond_range(&e.body_text())
+            .unwrap_or_else(|| ApiError::bad_request(query_message(&e.body_text()))),
     })
+}
+
+/// A whole number past what its parameter's type holds (`limit=` twenty
+/// digits): out of range, 422 as any other out-of-range value, not 400
+/// as a value that is not a number.
+fn beyond_range(text: &str) -> Option<ApiError> {
+    let text = text
+        .strip_prefix("Failed to deserialize query string: ")
+        .unwrap_or(text);
+    let (field, why) = text.split_once(": ")?;
+    let past = match why {
+        "number too large to fit in target type" => "largest",
+        "number too small to fit in target type" => "smallest",
+        _ => return None,
+    };
+    if field.is_empty() || !field.bytes().all(|b| b.is_ascii_lowercase() || b == b'_') {
+        return None;
+    }
+    Some(ApiError::from(crate::store::query::bad(
+        field,
+        format!("`{field}` is past the {past} whole number it takes"),
+    )))
 }
 
 /// The parameter an unknown-field rejection names (at most 80 characters of
@@ -671,6 +694,9 @@ fn query_taking<T>(q: Params<T>, takes: &[&str]) -> Result<T, ApiError> {
             QueryProblem::Rejected(e) => e,
         };
         let text = e.body_text();
+        if let Some(beyond) = beyond_range(&text) {
+            return beyond;
+        }
         let text = text
             .strip_prefix("Failed to deserialize query string: ")
             .unwrap_or(&text);
@@ -956,26 +982,50 @@ fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
             ),
         ));
     }
+    let unsupported = |message: String| {
+        ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            message,
+        )
+    };
+    // Two types (a proxy's and the client's, say): which one the body is
+    // in is not known, so neither is taken.
+    let given = headers.get_all(header::CONTENT_TYPE).iter().count();
+    if given > 1 {
+        return Err(unsupported(format!(
+            "the request has {given} `Content-Type` headers; send one, `application/json`"
+        )));
+    }
     let ct = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
-    let essence = ct.split(';').next().unwrap_or("").trim();
+    let mut parts = ct.split(';');
+    let essence = parts.next().unwrap_or("").trim();
+    // JSON is read as UTF-8 (RFC 8259 §8.1): a body said to be in another
+    // charset is refused as such, rather than "not JSON" at its first byte.
+    let charset = parts
+        .filter_map(|p| p.split_once('='))
+        .find(|(k, _)| k.trim().eq_ignore_ascii_case("charset"))
+        .map(|(_, v)| v.trim().trim_matches('"'));
+    if let Some(charset) = charset.filter(|c| !c.eq_ignore_ascii_case("utf-8")) {
+        return Err(unsupported(format!(
+            "the body is said to be in charset {}; JSON is taken in UTF-8 only",
+            crate::error::quoted(charset)
+        )));
+    }
     if essence.eq_ignore_ascii_case("application/json") {
         Ok(())
     } else {
-        Err(ApiError::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_media_type",
-            if ct.is_empty() {
-                "the body must be sent with `Content-Type: application/json`".to_owned()
-            } else {
-                format!(
-                    "the body must be `application/json`, not {}",
-                    crate::error::quoted(ct)
-                )
-            },
-        ))
+        Err(unsupported(if ct.is_empty() {
+            "the body must be sent with `Content-Type: application/json`".to_owned()
+        } else {
+            format!(
+                "the body must be `application/json`, not {}",
+                crate::error::quoted(ct)
+            )
+        }))
     }
 }
 
@@ -1080,7 +1130,7 @@ async fn parse_append_aside(
         (status = 404, description = "Another tenant's session", body = ErrorBody),
         (status = 409, description = "`expected_seq` is stale; `current_seq` says where the session is", body = ErrorBody),
         (status = 413, description = "The body is over the size limit", body = ErrorBody),
-        (status = 415, description = "Not `application/json`, or sent with a `Content-Encoding` other than `identity` (none is decoded)", body = ErrorBody),
+        (status = 415, description = "Not `application/json` (or two types, or a charset other than UTF-8), or sent with a `Content-Encoding` other than `identity` (none is decoded)", body = ErrorBody),
         (status = 422, description = "Breaks a SEMANTICS §4 rule: `rule`, `field`, `index`", body = ErrorBody),
         (status = 503, description = "The database is unavailable (nothing stored), the commit got no answer (`outcome_unknown`: it may or may not be stored; send it again with the same event ids), the request timed out (`timeout`: it may still commit), or the answers held for clients fill --response-memory (`busy`)", body = ErrorBody),
     ),
