@@ -31,6 +31,26 @@ use crate::event::{EventBody, StoredEvent};
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
 
+/// Whether a failed migration may have lost a race with another process
+/// migrating the same file, and is worth another attempt: anything but a
+/// failure of the storage itself. The loser of a race meets the winner's
+/// lock, tables, columns or migration row, each said differently
+/// ("duplicate column name: hash", "table … already exists", a UNIQUE
+/// constraint, BUSY), so the failures of the storage are what is told
+/// apart: I/O (10), a full disk (13), a read-only file (8), a file that
+/// cannot be opened (14), memory (7), a damaged file (11, 26). Those are
+/// said at once; another attempt would meet them again.
+fn migration_raced(e: &sqlx::migrate::MigrateError) -> bool {
+    use sqlx::migrate::MigrateError;
+    let (MigrateError::Execute(inner) | MigrateError::ExecuteMigration(inner, _)) = e else {
+        return false;
+    };
+    !matches!(
+        crate::error::sqlite_primary_code(inner),
+        Some(7 | 8 | 10 | 11 | 13 | 14 | 26)
+    )
+}
+
 /// The latest migration this build knows: an open store's schema is at it.
 pub(crate) fn latest_migration() -> i64 {
     MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0)
@@ -295,13 +315,32 @@ impl SqliteBackend {
     /// processes opening a new file at once can race: the loser's migration
     /// fails (its transaction rolls back) while the winner's commits. A retry
     /// then finds the migrations applied.
+    ///
+    /// Each attempt runs on a connection of its own, closed after it, so
+    /// that nothing a failed attempt left behind outlives it; and only a
+    /// race is tried again. Before, attempts ran on the pool and any error
+    /// was retried: on a disk that filled during a migration, a later
+    /// attempt "succeeded" inside a transaction never committed, and the
+    /// command failed on a missing table ("no such table: chain_backfill"),
+    /// or every later statement on "database is locked" after 10 s, where
+    /// the cause was the disk (a review, 2026-12-07, on a full tmpfs).
     pub(crate) async fn migrate(&self) -> Result<()> {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            match MIGRATOR.run(&self.pool).await {
+            let connect = &*self.connect;
+            let mut conn =
+                open_busy(&self.path, || SqliteConnection::connect_with(connect)).await?;
+            // `run_direct`: what `run` calls once it has a connection (its
+            // `Acquire` bound makes this future not `Send`, as postgres.rs
+            // says; sqlx is pinned by Cargo.lock).
+            let run = MIGRATOR.run_direct(&mut conn).await;
+            // Closed, not returned anywhere: SQLite rolls back what it
+            // held open.
+            let _ = conn.close().await;
+            match run {
                 Ok(()) => return Ok(()),
-                Err(e) if attempt < 5 => {
+                Err(e) if attempt < 5 && migration_raced(&e) => {
                     tracing::debug!(cause = %e, attempt, "SQLite migration raced; retrying");
                     tokio::time::sleep(Duration::from_millis(50 * attempt)).await;
                 }
