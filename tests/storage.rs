@@ -750,11 +750,22 @@ both_backends!(
             .unwrap();
         assert_eq!(lost.load(std::sync::atomic::Ordering::SeqCst), 0);
         assert!(
-            outcome.replayed,
-            "the retry should be answered from the log"
+            outcome.replayed && outcome.confirmed_on_retry,
+            "the retry should be answered from the log, as this call's: {outcome:?}"
         );
         let seqs: Vec<i64> = outcome.events.iter().map(|a| a.seq).collect();
         assert_eq!(seqs, [3, 4]);
+        // The same events sent again: a replay, but not this call's.
+        let stored: Vec<_> = all_events(&store, s).await.into_iter().skip(2).collect();
+        let again = stored
+            .iter()
+            .map(|e| session_store::NewEvent::new(e.body.clone()).with_id(e.event_id))
+            .collect();
+        let outcome = store.append_at_head(s, again, &policy).await.unwrap();
+        assert!(
+            outcome.replayed && !outcome.confirmed_on_retry,
+            "{outcome:?}"
+        );
         let texts: Vec<String> = all_events(&store, s)
             .await
             .iter()

@@ -366,6 +366,10 @@ pub struct ImportSummary {
     pub written: usize,
     /// Lines that were already stored (idempotent retries).
     pub replayed: usize,
+    /// Of `replayed`, lines a retry found stored after an attempt's answer
+    /// was lost (a connection cut at its commit): most likely stored by
+    /// this import.
+    pub confirmed: usize,
     /// Distinct sessions touched.
     pub sessions: usize,
 }
@@ -619,6 +623,9 @@ async fn append_at_head(
     sessions.insert(session);
     if outcome.replayed {
         summary.replayed += outcome.events.len();
+        if outcome.confirmed_on_retry {
+            summary.confirmed += outcome.events.len();
+        }
     } else {
         summary.written += outcome.events.len();
     }
@@ -843,6 +850,7 @@ async fn import_pi_once(
     let mut summary = ImportSummary {
         written: 0,
         replayed: head as usize,
+        confirmed: 0,
         sessions: 1,
     };
     // The writes, to the store itself.

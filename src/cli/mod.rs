@@ -1083,10 +1083,11 @@ async fn run_write(
             // An import that succeeds leaves a store, even of nothing.
             target.store().await?;
             let said = format!(
-                "imported {} into {} ({} already stored)",
+                "imported {} into {} ({} already stored{})",
                 count(summary.written, "event"),
                 count(summary.sessions, "session"),
-                summary.replayed
+                summary.replayed,
+                confirmed_said(summary.confirmed)
             );
             writeln!(out, "{said}").map_err(|e| unsaid(io(e), &said))?;
         }
@@ -1760,6 +1761,19 @@ fn print_refresh(r: &Refresh, out: &mut dyn Write) -> std::io::Result<()> {
 }
 
 /// "1 event", "2 events".
+/// What an import's "already stored" count holds of lines it most likely
+/// stored itself: a retry found them stored after an attempt's answer was
+/// lost. Counted apart so that "already stored" does not read as an
+/// earlier run's.
+fn confirmed_said(confirmed: usize) -> String {
+    match confirmed {
+        0 => String::new(),
+        n => format!(
+            "; {n} of them found stored by a retry after an attempt's answer was lost, most likely stored by this run"
+        ),
+    }
+}
+
 /// `verify`'s verdict on a view that disagrees with its log, with the
 /// remedy: the log is the truth (SEMANTICS §8), so recomputing the views
 /// from it repairs them. (A log changed behind the store's back is said

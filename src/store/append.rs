@@ -145,6 +145,7 @@ async fn judge_and_write<T: LogTx>(
             return Ok(AppendOutcome {
                 events: answer,
                 replayed: true,
+                confirmed_on_retry: false,
             });
         }
         // Said at the first stored event (its index, so its line on the
@@ -188,6 +189,7 @@ async fn judge_and_write<T: LogTx>(
             None => Ok(AppendOutcome {
                 events: Vec::new(),
                 replayed: false,
+                confirmed_on_retry: false,
             }),
         };
     }
@@ -406,6 +408,7 @@ async fn judge_and_write<T: LogTx>(
     Ok(AppendOutcome {
         events: appended,
         replayed: false,
+        confirmed_on_retry: false,
     })
 }
 

@@ -302,6 +302,11 @@ pub struct AppendOutcome {
     /// True when the whole batch was already stored (an idempotent retry)
     /// and nothing was written.
     pub replayed: bool,
+    /// True for a replay that [`Store::append_at_head`]'s retry found
+    /// after an earlier attempt of the same call lost its answer: that
+    /// attempt most likely stored the batch (the call gave the events
+    /// their ids), so a caller counting what it stored should count it.
+    pub confirmed_on_retry: bool,
 }
 
 /// The restart-recovery state of a session (see [`Store::recover`]).
@@ -1022,7 +1027,10 @@ impl Store {
                 uncertain.get_or_insert_with(|| why.clone());
             }
             match result {
-                Ok(outcome) => return Ok(outcome),
+                Ok(mut outcome) => {
+                    outcome.confirmed_on_retry = outcome.replayed && uncertain.is_some();
+                    return Ok(outcome);
+                }
                 // A closed store is not storage to wait for: said as it is
                 // ([`Store::close`]), unless an earlier attempt's outcome
                 // is unknown.
