@@ -1975,9 +1975,12 @@ async fn a_body_in_a_coding_the_server_does_not_decode_is_415() {
         (&["application/json;charset=\"latin1\""], Some("\"latin1\"")),
         (
             &["application/json", "text/plain"],
-            Some("2 `Content-Type` headers"),
+            Some("2 different `Content-Type` headers"),
         ),
         (&["application/json; charset=UTF-8"], None),
+        (&["application/json; charset=utf8"], None),
+        (&["application/json; charset=us-ascii"], None),
+        (&["application/json", "Application/JSON"], None),
     ] {
         // A session of its own: the `identity` case below stores in `uri`.
         let uri = events_uri(Uuid::new_v4());
@@ -2156,11 +2159,48 @@ async fn large_bodies_are_judged_as_small_ones_and_hold_no_one_up() {
     assert_ne!(v["rule"], "event-too-large", "{v}");
     assert_eq!(store.head_seq(id).await.unwrap(), 2);
 
+    // A batch stored under a larger limit (another instance's, or before
+    // the limit was lowered), sent again: answered with its seqs, before
+    // any size is measured (§2), not refused for its large event.
+    let wider = open(
+        &url,
+        StoreOptions {
+            max_event_bytes: 1_000_000,
+            ..StoreOptions::default()
+        },
+    )
+    .await;
+    let (first, second) = (Uuid::new_v4(), Uuid::new_v4());
+    let batch = json!([
+        {"type": "prompt_submitted", "text": "small", "event_id": first},
+        {"type": "prompt_submitted", "text": text(150_000), "event_id": second}]);
+    let events: Vec<session_store::NewEvent> = batch
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            let id = Uuid::parse_str(e["event_id"].as_str().unwrap()).unwrap();
+            let text = e["text"].as_str().unwrap().to_owned();
+            session_store::NewEvent::new(session_store::EventBody::PromptSubmitted { text })
+                .with_id(id)
+        })
+        .collect();
+    wider.append(id, 2, events).await.unwrap();
+    let (s, v) = post(
+        &app,
+        &uri,
+        None,
+        &json!({"expected_seq": 0, "events": batch}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    assert_eq!(v["replayed"], true, "{v}");
+
     // A body of a few MB of small JSON values takes seconds to parse in a
     // test build. This test's runtime has one thread: parsed there, the
     // body would hold `/healthz` until it was done.
     let heavy = format!(
-        r#"{{"expected_seq": 2, "events": [{{"type": "tool_call", "call_id": "c", "tool_name": "t", "input": [{}]}}]}}"#,
+        r#"{{"expected_seq": 4, "events": [{{"type": "tool_call", "call_id": "c", "tool_name": "t", "input": [{}]}}]}}"#,
         vec!["{}"; 1_000_000].join(",")
     );
     let parse = tokio::spawn({

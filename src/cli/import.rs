@@ -462,6 +462,7 @@ async fn import_fed<I: Iterator<Item = InputLine>>(
             cause: Box::new(e),
             written: summary.written,
             replayed: summary.replayed,
+            confirmed: summary.confirmed,
         }),
         Err(e) => Err(e),
     }

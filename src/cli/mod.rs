@@ -526,7 +526,7 @@ pub enum CliError {
         cause: Error,
     },
     /// `import` stopped at a bad line after storing the lines before it.
-    #[error("{cause}; the {} before it {} stored{}", count(*written + *replayed, "event"), if *written + *replayed == 1 { "is" } else { "are" }, if *replayed > 0 { format!(" ({replayed} of them already were)") } else { String::new() })]
+    #[error("{cause}; the {} before it {} stored{}", count(*written + *replayed, "event"), if *written + *replayed == 1 { "is" } else { "are" }, if *replayed > 0 { format!(" ({replayed} of them already were{})", confirmed_said(*confirmed)) } else { String::new() })]
     ImportStopped {
         /// What stopped it.
         cause: Box<CliError>,
@@ -534,6 +534,9 @@ pub enum CliError {
         written: usize,
         /// Events it found already stored.
         replayed: usize,
+        /// Of `replayed`, events a retry found stored after an attempt's
+        /// answer was lost ([`ImportSummary::confirmed`](import::ImportSummary::confirmed)).
+        confirmed: usize,
     },
     /// The reader of the output went away (`| head`): the command stops
     /// quietly, with exit 0, as `head`'s user asked for no more.
@@ -1760,7 +1763,6 @@ fn print_refresh(r: &Refresh, out: &mut dyn Write) -> std::io::Result<()> {
     )
 }
 
-/// "1 event", "2 events".
 /// What an import's "already stored" count holds of lines it most likely
 /// stored itself: a retry found them stored after an attempt's answer was
 /// lost. Counted apart so that "already stored" does not read as an
@@ -1784,6 +1786,7 @@ fn view_drift(difference: String) -> CliError {
     ))
 }
 
+/// "1 event", "2 events".
 fn count(n: usize, noun: &str) -> String {
     if n == 1 {
         format!("1 {noun}")

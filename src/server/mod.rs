@@ -817,11 +817,7 @@ type ParsedEvents = (Vec<NewEvent>, Option<ValidationError>);
 /// the events before it, and judged after them (SEMANTICS §2: a stale
 /// writer hears of the conflict first, and the events are judged one by
 /// one, so an earlier event's error answers first).
-fn parse_append(
-    body: &[u8],
-    max_events: usize,
-    max_event_bytes: usize,
-) -> Result<(i64, ParsedEvents), ApiError> {
+fn parse_append(body: &[u8], max_events: usize) -> Result<(i64, ParsedEvents), ApiError> {
     let malformed = |m: String| {
         let mut a = ApiError::bad_request(m);
         a.body.rule = Some(Rule::MalformedJson.code().to_owned());
@@ -908,21 +904,13 @@ fn parse_append(
             format!("unknown field `{unknown}`: the body has `expected_seq` and `events` only"),
         ));
     }
-    // An event's JSON text is never longer than its span of the body (the
-    // store writes it without whitespace, with no longer escapes and the
-    // numbers as sent): only a body over the limit can hold an event
-    // over it, and only then are the events measured here.
-    let size_cap = (body.len() > max_event_bytes).then_some(max_event_bytes);
-    Ok((expected_seq, parse_events(events, size_cap)))
+    Ok((expected_seq, parse_events(events)))
 }
 
 /// The batch's events, up to the first that cannot be read, and why it
-/// cannot. With `size_cap`, an event over it is that one, as the store
-/// would judge it (SEMANTICS §4, its size before its rules): measured
-/// here, where the body is parsed off the runtime, it and the events
-/// after it are dropped at once rather than held as JSON trees until the
-/// store's judgement (an 8 MB body of small values takes ~235 MB).
-fn parse_events(events: Vec<Value>, size_cap: Option<usize>) -> ParsedEvents {
+/// cannot. (An event's size is the store's to judge: a batch already
+/// stored is answered with its seqs before any size is measured, §2.)
+fn parse_events(events: Vec<Value>) -> ParsedEvents {
     let mut batch = Vec::with_capacity(events.len());
     for (i, e) in events.into_iter().enumerate() {
         let Value::Object(obj) = e else {
@@ -934,15 +922,7 @@ fn parse_events(events: Vec<Value>, size_cap: Option<usize>) -> ParsedEvents {
             return (batch, Some(v.at_index(i)));
         };
         match parse_event_object(obj, LineKind::Append) {
-            Ok(parsed) => {
-                if let Some(cap) = size_cap {
-                    let len = parsed.event.body.to_json_text().len();
-                    if let Err(v) = crate::validate::check_size(len, cap) {
-                        return (batch, Some(v.at_index(i)));
-                    }
-                }
-                batch.push(parsed.event)
-            }
+            Ok(parsed) => batch.push(parsed.event),
             Err(v) => return (batch, Some(v.at_index(i))),
         }
     }
@@ -989,12 +969,22 @@ fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
             message,
         )
     };
-    // Two types (a proxy's and the client's, say): which one the body is
-    // in is not known, so neither is taken.
-    let given = headers.get_all(header::CONTENT_TYPE).iter().count();
-    if given > 1 {
+    // Two different types (a proxy's and the client's, say): which one the
+    // body is in is not known, so neither is taken.
+    let mut given: Vec<String> = headers
+        .get_all(header::CONTENT_TYPE)
+        .iter()
+        .map(|v| {
+            String::from_utf8_lossy(v.as_bytes())
+                .trim()
+                .to_ascii_lowercase()
+        })
+        .collect();
+    given.dedup();
+    if given.len() > 1 {
         return Err(unsupported(format!(
-            "the request has {given} `Content-Type` headers; send one, `application/json`"
+            "the request has {} different `Content-Type` headers; send one, `application/json`",
+            given.len()
         )));
     }
     let ct = headers
@@ -1009,7 +999,13 @@ fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
         .filter_map(|p| p.split_once('='))
         .find(|(k, _)| k.trim().eq_ignore_ascii_case("charset"))
         .map(|(_, v)| v.trim().trim_matches('"'));
-    if let Some(charset) = charset.filter(|c| !c.eq_ignore_ascii_case("utf-8")) {
+    // UTF-8 by its labels, and ASCII, which is UTF-8 too.
+    let utf8 = |c: &str| {
+        ["utf-8", "utf8", "us-ascii", "ascii"]
+            .iter()
+            .any(|label| c.eq_ignore_ascii_case(label))
+    };
+    if let Some(charset) = charset.filter(|c| !utf8(c)) {
         return Err(unsupported(format!(
             "the body is said to be in charset {}; JSON is taken in UTF-8 only",
             crate::error::quoted(charset)
@@ -1070,23 +1066,30 @@ async fn read_body(mut body: axum::body::Body, limit: usize) -> Result<Vec<u8>, 
 const PARSE_INLINE_BYTES: usize = 64 * 1024;
 
 /// [`parse_append`], for a body over [`PARSE_INLINE_BYTES`] on the
-/// blocking pool, within the parse budget ([`parse_kib_total`]).
+/// blocking pool, within the budget of large bodies ([`parse_kib_total`]);
+/// with the body's share of the budget, which its append holds to its end.
 ///
 /// Parsed on the runtime's threads (two here), two 8 MB bodies of small
 /// JSON values (1.5–3 s each) held every other request, `/healthz`
 /// included, for seconds, and 32 at once took the server to 3 GB before
 /// their refusals (a review, 2026-12-07). A body waits for its share of
-/// the budget (its request's timeout bounds the wait), and the share is
-/// held until its parse ends, even when the request was given up on
-/// meanwhile.
+/// the budget (its request's timeout bounds the wait). The share is held
+/// while its events are parsed and appended (their JSON trees live until
+/// the store has judged them), even when the request was given up on
+/// meanwhile; a body parsed where it is read holds none.
 async fn parse_append_aside(
     server: &Server,
     body: Vec<u8>,
     max_events: usize,
-) -> Result<(i64, ParsedEvents), ApiError> {
-    let max_event_bytes = server.inner.store.max_event_bytes();
+) -> Result<
+    (
+        (i64, ParsedEvents),
+        Option<tokio::sync::OwnedSemaphorePermit>,
+    ),
+    ApiError,
+> {
     if body.len() <= PARSE_INLINE_BYTES {
-        return parse_append(&body, max_events, max_event_bytes);
+        return parse_append(&body, max_events).map(|parsed| (parsed, None));
     }
     let total = parse_kib_total(&server.inner.config);
     let kib = (body.len() / 1024).saturating_add(1).clamp(1, total);
@@ -1108,9 +1111,7 @@ async fn parse_append_aside(
         .await
         .map_err(|e| failed(&e))?;
     tokio::task::spawn_blocking(move || {
-        let parsed = parse_append(&body, max_events, max_event_bytes);
-        drop(permit);
-        parsed
+        parse_append(&body, max_events).map(|parsed| (parsed, Some(permit)))
     })
     .await
     .map_err(|e| failed(&e))?
@@ -1152,7 +1153,7 @@ async fn append(
     require_json(&headers)?;
     let body = read_body(body, server.inner.config.body_limit).await?;
     let max_events = server.inner.config.max_batch_events;
-    let (expected_seq, parsed) = parse_append_aside(&server, body, max_events)
+    let ((expected_seq, parsed), share) = parse_append_aside(&server, body, max_events)
         .await
         .inspect_err(|_| {
             server.inner.metrics.append_outcome("invalid");
@@ -1184,6 +1185,7 @@ async fn append(
                 .await),
         };
         drop(guard);
+        drop(share);
         // Counted here, not in the handler: an append whose request was
         // cut off (its timeout, its client hanging up) still ran to its
         // end, and what it stored is counted (a review found such appends

@@ -742,12 +742,6 @@ impl Store {
         }
     }
 
-    /// The largest event this store accepts, in bytes of JSON text (§4;
-    /// [`StoreOptions::max_event_bytes`]).
-    pub fn max_event_bytes(&self) -> usize {
-        self.options.max_event_bytes
-    }
-
     /// The version of the latest migration this build knows for the
     /// store's backend: once opened, the store's schema is at it (an open
     /// migrates, and refuses a store migrated past it).
