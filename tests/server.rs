@@ -1234,13 +1234,16 @@ both_backends!(
         )
         .await;
         assert_error(s, &v, StatusCode::UNPROCESSABLE_ENTITY, "seq_out_of_range");
-        let req = Request::builder()
-            .uri(format!("/v1/sessions/{id}/stream"))
-            .header("last-event-id", "abc")
-            .body(Body::empty())
-            .unwrap();
-        let r = app.clone().oneshot(req).await.unwrap();
-        assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+        // Not an id this server sends: a word, a sign, nothing.
+        for last in ["abc", "+3", "-0", ""] {
+            let req = Request::builder()
+                .uri(format!("/v1/sessions/{id}/stream"))
+                .header("last-event-id", last)
+                .body(Body::empty())
+                .unwrap();
+            let r = app.clone().oneshot(req).await.unwrap();
+            assert_eq!(r.status(), StatusCode::BAD_REQUEST, "{last:?}");
+        }
     }
 );
 

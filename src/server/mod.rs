@@ -1506,8 +1506,11 @@ async fn stream(
         Some(v) => Some(
             v.to_str()
                 .ok()
-                .and_then(|s| s.trim().parse::<i64>().ok())
-                .filter(|s| *s >= 0)
+                .map(str::trim)
+                // Digits only: `+3` parses as an integer, but is no id
+                // this server sent (nor an `after_seq` it takes).
+                .filter(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|s| s.parse::<i64>().ok())
                 .ok_or_else(|| {
                     ApiError::bad_request("`Last-Event-ID` must be a seq (a whole number ≥ 0)")
                 })?,
