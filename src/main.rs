@@ -19,15 +19,15 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 fn main() {
     let cli = Cli::parse();
     // sqlx's warnings (a pooled connection that failed its test on
-    // release, PostgreSQL's notices) are an operator's concern, so `serve`
-    // logs them; a one-shot command's outcome is its one sentence on
-    // stderr, and a connection the pool dropped and replaced cost it
-    // nothing (RUST_LOG=sqlx=warn shows them). Slow-statement warnings
-    // quote the store's SQL and are left out of both.
-    let default_filter = match cli.command {
-        session_store::cli::Command::Serve(_) => "warn,sqlx::query=error",
-        _ => "warn,sqlx=error",
-    };
+    // release or before an acquire, a slow acquire, PostgreSQL's notices)
+    // are the driver's internals, in its words: left out by default, for
+    // `serve` too (RUST_LOG=warn shows them). What they come to for a
+    // request, the store says itself: `serve` logs a storage failure once
+    // a period with how many answers met it (server/error.rs), and a
+    // one-shot command's outcome is its one sentence on stderr. (An
+    // operability review, 2026-12-07, read three such lines per PostgreSQL
+    // restart as noise.) Slow-statement warnings quote the store's SQL.
+    let default_filter = "warn,sqlx=error";
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

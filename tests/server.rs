@@ -609,6 +609,15 @@ both_backends!(
         assert_eq!(status, StatusCode::CREATED, "{v}");
         assert_eq!(v["replayed"], json!(true), "{v}");
         assert_eq!(store.head_seq(s).await.unwrap(), 1);
+        // Counted apart from the failures that stored nothing.
+        let (_, _, text) = call(&app, Method::GET, "/metrics", None, None, Body::empty()).await;
+        for line in [
+            "session_store_appends_total{outcome=\"outcome_unknown\"} 1",
+            "session_store_appends_total{outcome=\"replayed\"} 1",
+        ] {
+            assert!(text.contains(line), "{line} in {text}");
+        }
+        assert!(!text.contains("outcome=\"error\""), "{text}");
     }
 );
 
@@ -2232,5 +2241,39 @@ async fn large_bodies_are_judged_as_small_ones_and_hold_no_one_up() {
     assert!(
         answered < Duration::from_millis(20) + took / 2,
         "/healthz answered {answered:?} after it was asked, beside a body parsed in {took:?}"
+    );
+}
+
+/// A body whose `Content-Length` announces more than `--body-limit` is
+/// refused at once, and counted and timed as the 413 it answers (before,
+/// that refusal ran outside the metrics' layer: no series, no log line).
+#[tokio::test]
+async fn a_body_announced_over_the_limit_is_counted_as_its_413() {
+    let dir = tempfile::tempdir().unwrap();
+    let app = router(
+        &store_in(&dir).await,
+        ServerConfig {
+            body_limit: 1024,
+            ..ServerConfig::default()
+        },
+    );
+    let request = Request::builder()
+        .method(Method::POST)
+        .uri(events_uri(Uuid::new_v4()))
+        .header(header::CONTENT_TYPE, "application/json")
+        .header(header::CONTENT_LENGTH, "1000000")
+        .body(Body::from("{}"))
+        .unwrap();
+    let response = app.clone().oneshot(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    let (_, _, text) = call(&app, Method::GET, "/metrics", None, None, Body::empty()).await;
+    assert!(
+        text.lines().any(
+            |l| l.starts_with("session_store_http_request_duration_seconds_count")
+                && l.contains("route=\"/v1/sessions/{id}/events\"")
+                && l.contains("status=\"413\"")
+                && l.ends_with(" 1")
+        ),
+        "{text}"
     );
 }

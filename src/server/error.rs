@@ -15,6 +15,76 @@ use utoipa::ToSchema;
 
 use crate::{Error, ValidationError};
 
+/// How often a storage failure with the same words is logged: once, then
+/// at most once per [`REPEAT_EVERY`], with how many answers said it
+/// meanwhile (`repeated`). A failure is one condition, not one per
+/// request: a server whose logins PostgreSQL refused logged ~700
+/// identical lines a second under 40 clients (a review, 2026-12-07).
+/// The last [`REPEAT_KINDS`] different words are remembered, so that two
+/// failures taking turns are each held back.
+struct Repeats(std::sync::Mutex<Vec<(String, std::time::Instant, u64)>>);
+
+const REPEAT_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+const REPEAT_KINDS: usize = 16;
+
+static REPEATS: Repeats = Repeats(std::sync::Mutex::new(Vec::new()));
+
+impl Repeats {
+    /// `Some(n)` when `said` is to be logged now, `n` the answers that said
+    /// it since it was last logged; `None` when it was logged within
+    /// [`REPEAT_EVERY`].
+    fn say(&self, said: &str) -> Option<u64> {
+        let mut seen = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let now = std::time::Instant::now();
+        let Some((_, at, count)) = seen.iter_mut().find(|(words, ..)| words == said) else {
+            if seen.len() == REPEAT_KINDS {
+                // The one logged longest ago makes room.
+                if let Some(oldest) = (0..seen.len()).min_by_key(|&i| seen[i].1) {
+                    seen.swap_remove(oldest);
+                }
+            }
+            seen.push((said.to_owned(), now, 0));
+            return Some(0);
+        };
+        if now.duration_since(*at) < REPEAT_EVERY {
+            *count += 1;
+            return None;
+        }
+        let repeated = *count;
+        (*at, *count) = (now, 0);
+        Some(repeated)
+    }
+}
+
+#[cfg(test)]
+mod repeats_tests {
+    use super::*;
+
+    /// The same words are said once per period, with the count held back;
+    /// other words are said at once, and each kind keeps its own period.
+    #[test]
+    fn repeated_failures_are_said_once_a_period_with_their_count() {
+        let r = Repeats(std::sync::Mutex::new(Vec::new()));
+        assert_eq!(r.say("a"), Some(0));
+        assert_eq!(r.say("a"), None);
+        assert_eq!(r.say("b"), Some(0));
+        assert_eq!(r.say("a"), None);
+        assert_eq!(r.say("b"), None);
+        // A period later: said again, with how many were held back.
+        for (_, at, _) in r.0.lock().unwrap().iter_mut() {
+            *at -= REPEAT_EVERY;
+        }
+        assert_eq!(r.say("a"), Some(2));
+        assert_eq!(r.say("a"), None);
+        assert_eq!(r.say("b"), Some(1));
+        // Past the kinds remembered, the oldest is forgotten.
+        for i in 0..REPEAT_KINDS {
+            assert_eq!(r.say(&format!("k{i}")), Some(0));
+        }
+        assert_eq!(r.0.lock().unwrap().len(), REPEAT_KINDS);
+    }
+}
+
 /// The body of every error answer.
 #[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize, ToSchema)]
 pub struct ErrorBody {
@@ -126,7 +196,9 @@ impl From<Error> for ApiError {
                 e.to_string(),
             ),
             Error::OutcomeUnknown(_) => {
-                warn!(cause = %e, "append outcome unknown");
+                if let Some(repeated) = REPEATS.say(&e.to_string()) {
+                    warn!(cause = %e, repeated, "append outcome unknown");
+                }
                 ApiError::new(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "outcome_unknown",
@@ -137,7 +209,9 @@ impl From<Error> for ApiError {
                 ApiError::from(*last)
             }
             Error::Unavailable(_) | Error::RetriesExhausted { .. } => {
-                warn!(cause = %e, "storage unavailable");
+                if let Some(repeated) = REPEATS.say(&e.to_string()) {
+                    warn!(cause = %e, repeated, "storage unavailable");
+                }
                 // The one cause a client's operator can act on without
                 // the server's log; other causes may name paths and hosts.
                 // SQLite: "database or disk is full"; PostgreSQL (class 53):

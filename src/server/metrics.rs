@@ -101,10 +101,12 @@ impl Metrics {
         let appended_events = Counter::default();
         let conflicts = Counter::default();
         let refreshes = Counter::default();
+        // 0.5 ms to 32.8 s: the last finite bucket past the 30 s request
+        // and read timeouts (at 16.4 s, what they cut off fell in +Inf).
         let request_seconds = Family::<RouteLabel, Histogram>::new_with_constructor(|| {
-            Histogram::new(exponential_buckets(0.0005, 2.0, 16))
+            Histogram::new(exponential_buckets(0.0005, 2.0, 17))
         });
-        let append_seconds = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
+        let append_seconds = Histogram::new(exponential_buckets(0.0005, 2.0, 17));
         let subscription_lag_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 16));
         let streams = Gauge::<i64, AtomicI64>::default();
         let append_groups = Family::<PathLabel, Counter>::default();

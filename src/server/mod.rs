@@ -224,13 +224,16 @@ impl Server {
             .route_layer(middleware::from_fn(move |req: Request, next: Next| {
                 with_timeout(timeout, req, next)
             }))
+            // Inside `track` as well, so that a body announced over the
+            // limit is counted and logged as the 413 it answers (outside,
+            // an operability review found it in no metric and no log).
+            .route_layer(middleware::from_fn(move |req: Request, next: Next| {
+                refuse_announced_size(limit, req, next)
+            }))
             .route_layer(middleware::from_fn_with_state(self.clone(), track))
             .fallback(not_found_route)
             .method_not_allowed_fallback(method_not_allowed)
             .layer(DefaultBodyLimit::max(self.inner.config.body_limit))
-            .layer(middleware::from_fn(move |req: Request, next: Next| {
-                refuse_announced_size(limit, req, next)
-            }))
             .with_state(self.clone())
     }
 
@@ -1204,6 +1207,10 @@ async fn append(
                     Error::Conflict { .. } => "conflict",
                     Error::Invalid(_) => "invalid",
                     Error::SessionNotFound(_) => "not_found",
+                    // Apart from `error`: an append that may be stored is
+                    // what a client must resend with its ids, and what an
+                    // operator alerts on.
+                    e if e.may_be_stored() => "outcome_unknown",
                     _ => "error",
                 });
                 if matches!(e, Error::Conflict { .. }) {
