@@ -226,10 +226,15 @@ impl From<Error> for ApiError {
                 // the store was open, so the file was there).
                 let moved = said.contains("while the store was open")
                     || matches!(&e, Error::Unavailable(m) if m == "unable to open database file");
-                let message = match (full, moved) {
-                    (true, _) => "the database's disk is full; nothing was stored; try again once space is freed",
-                    (false, true) => "the store's database file was removed or replaced while the server ran; nothing was stored; it answers again once the file is back and the server is restarted",
-                    (false, false) => "the database is unavailable; nothing was stored or changed; try again shortly",
+                // SQLite's file (or its filesystem) that this process may
+                // not write: opened read-only, which reads do not show.
+                // Retrying cannot help until the operator acts.
+                let read_only = said.contains("attempt to write a readonly database");
+                let message = match (full, moved, read_only) {
+                    (true, ..) => "the database's disk is full; nothing was stored; try again once space is freed",
+                    (false, true, _) => "the store's database file was removed or replaced while the server ran; nothing was stored; it answers again once the file is back and the server is restarted",
+                    (false, false, true) => "the store's database file cannot be written by the server (its permissions, or a read-only filesystem); nothing was stored; reads still answer",
+                    (false, false, false) => "the database is unavailable; nothing was stored or changed; try again shortly",
                 };
                 ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message)
             }
@@ -299,6 +304,17 @@ mod tests {
             "{said}"
         );
         assert!(!said.contains("/srv"), "{said}");
+        // A file the server may not write (opened read-only): said, since
+        // a retry cannot help, and that reads still answer.
+        let e = ApiError::from(Error::Unavailable(
+            "attempt to write a readonly database".into(),
+        ));
+        assert!(
+            e.body.message.contains("cannot be written by the server")
+                && !e.body.message.contains("try again"),
+            "{}",
+            e.body.message
+        );
         // A read's new connection finding no file says the same.
         let e = ApiError::from(Error::Unavailable("unable to open database file".into()));
         assert!(
