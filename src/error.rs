@@ -357,6 +357,15 @@ impl Error {
             }
             sqlx::Error::Database(db) => {
                 let code = db.code().map(|c| c.to_string()).unwrap_or_default();
+                // No schema to create the store's tables in (3F000): the
+                // `search_path` names none that exists. The operator's to
+                // fix, said with how.
+                if code == "3F000" {
+                    return Error::Database(format!(
+                        "{}: the schema the connection's search_path names does not exist in this database; create it first (CREATE SCHEMA name), or name an existing one (docs/operations.md, \"A schema of its own\")",
+                        db.message()
+                    ));
+                }
                 // PostgreSQL classes 08 (connection), 53 (resources), 57P
                 // (shutdown), 57014 (statement timeout), 55P03 (lock
                 // timeout), 25P03 (idle-in-transaction timeout), 40001/40P01
@@ -372,15 +381,6 @@ impl Error {
                 // database's settings, which the operator fixes. Not
                 // `Unavailable`: trying again cannot help (`import` tried
                 // for 10 s before it said so).
-                // No schema to create the store's tables in (3F000): the
-                // `search_path` names none that exists. The operator's to
-                // fix, said with how.
-                if code == "3F000" {
-                    return Error::Database(format!(
-                        "{}: the schema the connection's search_path names does not exist in this database; create it first (CREATE SCHEMA name), or name an existing one (docs/operations.md, \"A schema of its own\")",
-                        db.message()
-                    ));
-                }
                 if code == "25006" || code == "42501" {
                     return Error::Database(format!(
                         "the database refused this role: {}; the role the store connects as must be able to read and write the store's tables",

@@ -56,35 +56,6 @@ impl Repeats {
     }
 }
 
-#[cfg(test)]
-mod repeats_tests {
-    use super::*;
-
-    /// The same words are said once per period, with the count held back;
-    /// other words are said at once, and each kind keeps its own period.
-    #[test]
-    fn repeated_failures_are_said_once_a_period_with_their_count() {
-        let r = Repeats(std::sync::Mutex::new(Vec::new()));
-        assert_eq!(r.say("a"), Some(0));
-        assert_eq!(r.say("a"), None);
-        assert_eq!(r.say("b"), Some(0));
-        assert_eq!(r.say("a"), None);
-        assert_eq!(r.say("b"), None);
-        // A period later: said again, with how many were held back.
-        for (_, at, _) in r.0.lock().unwrap().iter_mut() {
-            *at -= REPEAT_EVERY;
-        }
-        assert_eq!(r.say("a"), Some(2));
-        assert_eq!(r.say("a"), None);
-        assert_eq!(r.say("b"), Some(1));
-        // Past the kinds remembered, the oldest is forgotten.
-        for i in 0..REPEAT_KINDS {
-            assert_eq!(r.say(&format!("k{i}")), Some(0));
-        }
-        assert_eq!(r.0.lock().unwrap().len(), REPEAT_KINDS);
-    }
-}
-
 /// The body of every error answer.
 #[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize, ToSchema)]
 pub struct ErrorBody {
@@ -275,6 +246,30 @@ impl IntoResponse for ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The same words are said once per period, with the count held back;
+    /// other words are said at once, and each kind keeps its own period.
+    #[test]
+    fn repeated_failures_are_said_once_a_period_with_their_count() {
+        let r = Repeats(std::sync::Mutex::new(Vec::new()));
+        assert_eq!(r.say("a"), Some(0));
+        assert_eq!(r.say("a"), None);
+        assert_eq!(r.say("b"), Some(0));
+        assert_eq!(r.say("a"), None);
+        assert_eq!(r.say("b"), None);
+        // A period later: said again, with how many were held back.
+        for (_, at, _) in r.0.lock().unwrap().iter_mut() {
+            *at -= REPEAT_EVERY;
+        }
+        assert_eq!(r.say("a"), Some(2));
+        assert_eq!(r.say("a"), None);
+        assert_eq!(r.say("b"), Some(1));
+        // Past the kinds remembered, the oldest is forgotten.
+        for i in 0..REPEAT_KINDS {
+            assert_eq!(r.say(&format!("k{i}")), Some(0));
+        }
+        assert_eq!(r.0.lock().unwrap().len(), REPEAT_KINDS);
+    }
 
     /// A full disk and a removed store file are said to the client (its
     /// operator can act on them); other storage failures stay generic,

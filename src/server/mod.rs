@@ -143,8 +143,8 @@ struct Inner {
     config: ServerConfig,
     /// The response memory, in KiB permits.
     response_kib: Arc<tokio::sync::Semaphore>,
-    /// The append bodies being parsed off the runtime at once, in KiB
-    /// permits ([`parse_append_aside`]).
+    /// The append bodies over 64 KiB being parsed (off the runtime) and
+    /// appended at once, in KiB permits ([`parse_append_aside`]).
     parse_kib: Arc<tokio::sync::Semaphore>,
     metrics: Metrics,
     /// Turns true when shutdown starts: streams end, so connections drain.
@@ -650,8 +650,10 @@ fn parse_session_id(id: &str) -> Result<Uuid, ApiError> {
 fn query<T>(q: Params<T>) -> Result<T, ApiError> {
     q.0.map_err(|e| match e {
         QueryProblem::NotUtf8(why) => ApiError::bad_request(why),
-        QueryProblem::Rejected(e) => beyond_range(&e.body_text())
-            .unwrap_or_else(|| ApiError::bad_request(query_message(&e.body_text()))),
+        QueryProblem::Rejected(e) => {
+            let text = e.body_text();
+            beyond_range(&text).unwrap_or_else(|| ApiError::bad_request(query_message(&text)))
+        }
     })
 }
 
@@ -983,6 +985,7 @@ fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
                 .to_ascii_lowercase()
         })
         .collect();
+    given.sort();
     given.dedup();
     if given.len() > 1 {
         return Err(unsupported(format!(
