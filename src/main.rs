@@ -18,16 +18,17 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() {
     let cli = Cli::parse();
-    // sqlx's warnings (a pooled connection that failed its test on
-    // release or before an acquire, a slow acquire, PostgreSQL's notices)
-    // are the driver's internals, in its words: left out by default, for
-    // `serve` too (RUST_LOG=warn shows them). What they come to for a
-    // request, the store says itself: `serve` logs a storage failure once
-    // a period with how many answers met it (server/error.rs), and a
-    // one-shot command's outcome is its one sentence on stderr. (An
-    // operability review, 2026-12-07, read three such lines per PostgreSQL
-    // restart as noise.) Slow-statement warnings quote the store's SQL.
-    let default_filter = "warn,sqlx=error";
+    // sqlx's own warnings (a pooled connection that failed its test on
+    // release or before an acquire, a slow acquire) are the driver's
+    // internals, in its words: left out by default, for `serve` too. What
+    // they come to for a request, the store says itself: `serve` logs a
+    // storage failure once a period with how many answers met it
+    // (server/error.rs), and a one-shot command's outcome is its one
+    // sentence on stderr. (An operability review, 2026-12-07, read three
+    // such lines per PostgreSQL restart as noise.) PostgreSQL's own
+    // warnings to the client (a database nearing transaction-ID
+    // wraparound) are kept. Slow-statement warnings quote the store's SQL.
+    let default_filter = "warn,sqlx=error,sqlx::postgres::notice=warn";
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

@@ -16,13 +16,25 @@ use utoipa::ToSchema;
 use crate::{Error, ValidationError};
 
 /// How often a storage failure with the same words is logged: once, then
-/// at most once per [`REPEAT_EVERY`], with how many answers said it
-/// meanwhile (`repeated`). A failure is one condition, not one per
+/// at most once per [`REPEAT_EVERY`] while answers keep meeting it, with
+/// how many did since its last line (`repeated`); what is left when it
+/// stops is said by the server's ticker ([`log_held_back`]) within a
+/// period, and at shutdown. A failure is one condition, not one line per
 /// request: a server whose logins PostgreSQL refused logged ~700
 /// identical lines a second under 40 clients (a review, 2026-12-07).
-/// The last [`REPEAT_KINDS`] different words are remembered, so that two
-/// failures taking turns are each held back.
-struct Repeats(std::sync::Mutex<Vec<(String, std::time::Instant, u64)>>);
+/// The last [`REPEAT_KINDS`] different words are remembered, so that
+/// failures taking turns are each held back (one pushed out has its count
+/// said first).
+struct Repeats(std::sync::Mutex<Vec<Held>>);
+
+/// One kind of failure: the line it is logged as, its words, when it was
+/// last logged, and the answers that met it since.
+struct Held {
+    line: &'static str,
+    words: String,
+    at: std::time::Instant,
+    count: u64,
+}
 
 const REPEAT_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
 const REPEAT_KINDS: usize = 16;
@@ -32,27 +44,68 @@ static REPEATS: Repeats = Repeats(std::sync::Mutex::new(Vec::new()));
 impl Repeats {
     /// `Some(n)` when `said` is to be logged now, `n` the answers that said
     /// it since it was last logged; `None` when it was logged within
-    /// [`REPEAT_EVERY`].
-    fn say(&self, said: &str) -> Option<u64> {
+    /// [`REPEAT_EVERY`] (it is counted).
+    fn say(&self, line: &'static str, said: &str) -> Option<u64> {
         let mut seen = self.0.lock().unwrap_or_else(|e| e.into_inner());
         let now = std::time::Instant::now();
-        let Some((_, at, count)) = seen.iter_mut().find(|(words, ..)| words == said) else {
+        let Some(held) = seen.iter_mut().find(|h| h.line == line && h.words == said) else {
             if seen.len() == REPEAT_KINDS {
-                // The one logged longest ago makes room.
-                if let Some(oldest) = (0..seen.len()).min_by_key(|&i| seen[i].1) {
-                    seen.swap_remove(oldest);
+                // The one logged longest ago makes room, its count said.
+                if let Some(oldest) = (0..seen.len()).min_by_key(|&i| seen[i].at) {
+                    let gone = seen.swap_remove(oldest);
+                    if gone.count > 0 {
+                        warn!(cause = %gone.words, repeated = gone.count, "{}", gone.line);
+                    }
                 }
             }
-            seen.push((said.to_owned(), now, 0));
+            seen.push(Held {
+                line,
+                words: said.to_owned(),
+                at: now,
+                count: 0,
+            });
             return Some(0);
         };
-        if now.duration_since(*at) < REPEAT_EVERY {
-            *count += 1;
+        if now.duration_since(held.at) < REPEAT_EVERY {
+            held.count += 1;
             return None;
         }
-        let repeated = *count;
-        (*at, *count) = (now, 0);
+        let repeated = held.count;
+        (held.at, held.count) = (now, 0);
         Some(repeated)
+    }
+
+    /// The counts held back for a period or more (all of them when `all`),
+    /// taken: `(line, words, count)`.
+    fn held_back(&self, all: bool) -> Vec<(&'static str, String, u64)> {
+        let mut seen = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let now = std::time::Instant::now();
+        seen.iter_mut()
+            .filter(|h| h.count > 0 && (all || now.duration_since(h.at) >= REPEAT_EVERY))
+            .map(|h| {
+                let taken = (h.line, h.words.clone(), h.count);
+                (h.at, h.count) = (now, 0);
+                taken
+            })
+            .collect()
+    }
+}
+
+/// Logs `said` as `line` unless the same was logged within a period
+/// ([`Repeats`]).
+fn log_repeated(line: &'static str, said: &str) {
+    if let Some(repeated) = REPEATS.say(line, said) {
+        warn!(cause = %said, repeated, "{line}");
+    }
+}
+
+/// Logs the counts of storage failures held back for a period or more
+/// (every one, `at_shutdown`): the server's ticker calls it each period,
+/// so that the answers an outage met after its last line are said soon
+/// after it ends, not with the next one.
+pub(crate) fn log_held_back(at_shutdown: bool) {
+    for (line, words, repeated) in REPEATS.held_back(at_shutdown) {
+        warn!(cause = %words, repeated, "{line}");
     }
 }
 
@@ -167,9 +220,7 @@ impl From<Error> for ApiError {
                 e.to_string(),
             ),
             Error::OutcomeUnknown(_) => {
-                if let Some(repeated) = REPEATS.say(&e.to_string()) {
-                    warn!(cause = %e, repeated, "append outcome unknown");
-                }
+                log_repeated("append outcome unknown", &e.to_string());
                 ApiError::new(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "outcome_unknown",
@@ -180,9 +231,7 @@ impl From<Error> for ApiError {
                 ApiError::from(*last)
             }
             Error::Unavailable(_) | Error::RetriesExhausted { .. } => {
-                if let Some(repeated) = REPEATS.say(&e.to_string()) {
-                    warn!(cause = %e, repeated, "storage unavailable");
-                }
+                log_repeated("storage unavailable", &e.to_string());
                 // The one cause a client's operator can act on without
                 // the server's log; other causes may name paths and hosts.
                 // SQLite: "database or disk is full"; PostgreSQL (class 53):
@@ -248,25 +297,40 @@ mod tests {
     use super::*;
 
     /// The same words are said once per period, with the count held back;
-    /// other words are said at once, and each kind keeps its own period.
+    /// other words are said at once, and each kind keeps its own period;
+    /// what is held back when a failure stops is taken by the ticker.
     #[test]
     fn repeated_failures_are_said_once_a_period_with_their_count() {
         let r = Repeats(std::sync::Mutex::new(Vec::new()));
-        assert_eq!(r.say("a"), Some(0));
-        assert_eq!(r.say("a"), None);
-        assert_eq!(r.say("b"), Some(0));
-        assert_eq!(r.say("a"), None);
-        assert_eq!(r.say("b"), None);
+        let say = |words: &str| r.say("storage unavailable", words);
+        assert_eq!(say("a"), Some(0));
+        assert_eq!(say("a"), None);
+        assert_eq!(say("b"), Some(0));
+        assert_eq!(say("a"), None);
+        assert_eq!(say("b"), None);
+        // The same words as another line are another kind.
+        assert_eq!(r.say("append outcome unknown", "a"), Some(0));
+        // Within the period the ticker takes nothing; at shutdown, all.
+        assert!(r.held_back(false).is_empty());
+        let age = |r: &Repeats| {
+            for h in r.0.lock().unwrap().iter_mut() {
+                h.at -= REPEAT_EVERY;
+            }
+        };
         // A period later: said again, with how many were held back.
-        for (_, at, _) in r.0.lock().unwrap().iter_mut() {
-            *at -= REPEAT_EVERY;
-        }
-        assert_eq!(r.say("a"), Some(2));
-        assert_eq!(r.say("a"), None);
-        assert_eq!(r.say("b"), Some(1));
+        age(&r);
+        assert_eq!(say("a"), Some(2));
+        assert_eq!(say("a"), None);
+        // The ticker takes what a stopped failure left: b's one.
+        let taken = r.held_back(false);
+        assert_eq!(taken, [("storage unavailable", "b".to_owned(), 1)]);
+        assert_eq!(say("b"), None, "taken counts restart the period");
+        let all = r.held_back(true);
+        assert_eq!(all.len(), 2, "{all:?}");
+        assert!(r.held_back(true).is_empty());
         // Past the kinds remembered, the oldest is forgotten.
         for i in 0..REPEAT_KINDS {
-            assert_eq!(r.say(&format!("k{i}")), Some(0));
+            assert_eq!(say(&format!("k{i}")), Some(0));
         }
         assert_eq!(r.0.lock().unwrap().len(), REPEAT_KINDS);
     }

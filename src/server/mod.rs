@@ -272,6 +272,14 @@ impl Server {
             inner.config.max_connections.max(1),
         ));
         let connections = GracefulShutdown::new();
+        // Says the storage failures held back once they stop (server/error.rs).
+        let ticker = tokio::spawn(async {
+            let mut every = tokio::time::interval(Duration::from_secs(10));
+            loop {
+                every.tick().await;
+                error::log_held_back(false);
+            }
+        });
         tokio::pin!(signal);
         loop {
             // A slot first: at the cap, connections wait in the listen
@@ -323,6 +331,8 @@ impl Server {
         {
             warn!("appends still running after the shutdown grace");
         }
+        ticker.abort();
+        error::log_held_back(true);
         info!("shut down");
         Ok(())
     }
