@@ -27,8 +27,13 @@ fn main() {
     // sentence on stderr. (An operability review, 2026-12-07, read three
     // such lines per PostgreSQL restart as noise.) PostgreSQL's own
     // warnings to the client (a database nearing transaction-ID
-    // wraparound) are kept. Slow-statement warnings quote the store's SQL.
-    let default_filter = "warn,sqlx=error,sqlx::postgres::notice=warn";
+    // wraparound, a server shutting down) are kept for `serve`, whose log
+    // is an operator's; a one-shot command's stderr stays its one
+    // sentence. Slow-statement warnings quote the store's SQL.
+    let default_filter = match cli.command {
+        session_store::cli::Command::Serve(_) => "warn,sqlx=error,sqlx::postgres::notice=warn",
+        _ => "warn,sqlx=error",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
