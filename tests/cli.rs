@@ -1196,6 +1196,105 @@ fn import_stores_a_producers_lines_as_they_come() {
     assert_eq!(history.lines().count(), 601);
 }
 
+/// An import stopped by SIGINT or SIGTERM lets its append in flight end,
+/// then says which lines are stored and where a re-run resumes (exit 128
+/// plus the signal's number, as a shell says a killed process); the lines
+/// it names as the rest complete the import, even without event ids.
+#[test]
+fn an_interrupted_import_says_where_a_re_run_resumes() {
+    let db = common::sqlite_db();
+    let lines: Vec<String> =
+        std::iter::once(with_session(r#"{"type":"session_started","mode":"agent"}"#))
+            .chain(
+                (2..=1500).map(|i| {
+                    with_session(&format!(r#"{{"type":"prompt_submitted","text":"p{i}"}}"#))
+                }),
+            )
+            .collect();
+    let stored = || {
+        let out = run(&db.url, &["history", S, "--json"], None);
+        stdout(&out).lines().count()
+    };
+    let stored_within = |want: usize| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let n = stored();
+            if n >= want || Instant::now() > deadline {
+                break n;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    let signal = |child: &std::process::Child, name: &str| {
+        let sent = Command::new("kill")
+            .args([format!("-{name}"), child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+    };
+    // The input open, all of it stored: the import waits for more.
+    let mut child = spawn(&db.url, &["import"]);
+    let mut stdin = child.stdin.take().unwrap();
+    stdin
+        .write_all(format!("{}\n", lines[..600].join("\n")).as_bytes())
+        .unwrap();
+    stdin.flush().unwrap();
+    assert_eq!(stored_within(600), 600);
+    signal(&child, "INT");
+    let out = child.wait_with_output().unwrap();
+    drop(stdin);
+    assert_eq!(out.status.code(), Some(130), "{}", stderr(&out));
+    assert_eq!(
+        stderr(&out),
+        "session-store: interrupted by SIGINT: lines 1–600 of the input are stored (600 events), \
+         none after; the lines from 601 on (`tail -n +601 FILE`) complete the import \
+         (the whole input run again does too, where each line has an event_id)\n"
+    );
+    // Stopped while lines are held, or between runs: the line it names is
+    // the last one stored, whichever it was.
+    let rest = &lines[600..];
+    let mut child = spawn(&db.url, &["import"]);
+    let mut stdin = child.stdin.take().unwrap();
+    stdin
+        .write_all(format!("{}\n", rest.join("\n")).as_bytes())
+        .unwrap();
+    stdin.flush().unwrap();
+    stored_within(1100);
+    signal(&child, "TERM");
+    let out = child.wait_with_output().unwrap();
+    drop(stdin);
+    assert_eq!(out.status.code(), Some(143), "{}", stderr(&out));
+    let said = stderr(&out);
+    let through: usize = said
+        .split("lines 1–")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no line named: {said}"));
+    assert!((500..=900).contains(&through), "{said}");
+    assert_eq!(stored(), 600 + through, "{said}");
+    assert!(
+        said.contains(&format!("`tail -n +{} FILE`", through + 1)),
+        "{said}"
+    );
+    // The rest, as the message says.
+    let out = run(&db.url, &["import"], Some(&rest[through..].join("\n")));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let history = stdout(&run(&db.url, &["history", S, "--json"], None));
+    let texts: Vec<String> = history
+        .lines()
+        .skip(1)
+        .map(|l| serde_json::from_str::<Value>(l).unwrap()["text"].to_string())
+        .collect();
+    let want: Vec<String> = (2..=1500).map(|i| format!("\"p{i}\"")).collect();
+    let first_off = texts.iter().zip(&want).position(|(a, b)| a != b);
+    assert_eq!(
+        (texts.len(), first_off),
+        (want.len(), None),
+        "every line once, in order"
+    );
+}
+
 #[test]
 fn a_path_that_holds_no_session_store_is_refused_and_left_alone() {
     let dir = tempfile::tempdir().unwrap();

@@ -519,6 +519,63 @@ fn a_long_file_is_judged_whole_before_its_runs_are_written() {
     }
 }
 
+/// A pi import stopped by SIGINT between its runs says how many of the
+/// file's events are stored (exit 130, as a shell says a process SIGINT
+/// ended), and the same import run again stores the rest, once.
+#[test]
+fn an_interrupted_pi_import_says_what_is_stored_and_a_re_run_completes_it() {
+    let db = common::sqlite_db();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("long.jsonl");
+    std::fs::write(&file, long_file(30_000, None, 0)).unwrap();
+    let session = session_store::pi::uuid_v5(session_store::pi::NAMESPACE, "long-1").to_string();
+    let child = Command::new(BIN)
+        .args(["--database", &db.url, "import", "--format", "pi"])
+        .arg(&file)
+        .env_remove("DATABASE_URL")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stored = || {
+        let out = run(&db.url, &["history", &session, "--json"]);
+        stdout(&out).lines().count()
+    };
+    // Its first run of 1 000 is stored: it is writing the others.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while stored() == 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let sent = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(130), "{}", stderr(&out));
+    let n = stored();
+    assert!(n > 0 && n < 60_001 && n % 1_000 == 0, "{n} stored");
+    assert_eq!(
+        stderr(&out),
+        format!(
+            "session-store: interrupted by SIGINT: {n} events of the file are stored in session {session}; \
+             the same import run again stores the rest\n"
+        )
+    );
+    let again = import(&db.url, file.to_str().unwrap());
+    assert_eq!(
+        again,
+        format!(
+            "imported {} events into session {session} ({n} already stored)\n",
+            60_001 - n
+        )
+    );
+    assert_eq!(stored(), 60_001);
+    let out = run(&db.url, &["verify"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
 /// An event id another session holds is refused by the store (SEMANTICS
 /// §2); the import looks the file's ids up before writing its first run,
 /// so a collision in the second run leaves the store unchanged, as any

@@ -22,6 +22,88 @@ fn batch_is_full(held: usize, held_bytes: usize, bytes: usize, most: usize) -> b
 }
 
 /// `file`, or standard input without one, for reading lines.
+/// A SIGINT or SIGTERM that asks a running `import` to stop. The append
+/// in flight is let finish (it commits whole or not at all, and its
+/// answer says which), then the import stops before its next one and says
+/// which lines are stored, so that the user knows where a re-run resumes:
+/// killed outright, it said nothing, and input without event ids could
+/// not be resumed safely (a review's finding). A second signal ends the
+/// process at once.
+#[derive(Clone)]
+pub(crate) struct Interrupt(tokio::sync::watch::Receiver<Option<Signal>>);
+
+/// The signal that stopped an import, with the exit code a shell gives a
+/// process that signal kills (128 + its number).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Signal {
+    /// `SIGINT` or `SIGTERM`.
+    pub name: &'static str,
+    /// 130 or 143.
+    pub exit_code: i32,
+}
+
+impl Interrupt {
+    /// One that never comes (the library's `import`, tests).
+    pub(crate) fn never() -> Interrupt {
+        Interrupt(tokio::sync::watch::channel(None).1)
+    }
+
+    /// SIGINT and SIGTERM, from now on. Where they cannot be listened for,
+    /// they keep their default (the process ends), as before.
+    pub(crate) fn on_signals() -> Interrupt {
+        let (tx, rx) = tokio::sync::watch::channel(None);
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            let (Ok(mut int), Ok(mut term)) = (
+                signal(SignalKind::interrupt()),
+                signal(SignalKind::terminate()),
+            ) else {
+                return Interrupt(rx);
+            };
+            tokio::spawn(async move {
+                let mut seen = false;
+                loop {
+                    let got = tokio::select! {
+                        _ = int.recv() => Signal { name: "SIGINT", exit_code: 130 },
+                        _ = term.recv() => Signal { name: "SIGTERM", exit_code: 143 },
+                    };
+                    if seen {
+                        eprintln!(
+                            "session-store: {} again: stopping now; the append in flight, if any, is stored whole or not at all",
+                            got.name
+                        );
+                        std::process::exit(got.exit_code);
+                    }
+                    seen = true;
+                    tracing::info!(
+                        signal = got.name,
+                        "import: stopping after the append in flight"
+                    );
+                    let _ = tx.send(Some(got));
+                }
+            });
+        }
+        Interrupt(rx)
+    }
+
+    /// The signal received, if one was.
+    fn received(&self) -> Option<Signal> {
+        *self.0.borrow()
+    }
+
+    /// Waits for the signal (for ever when none can come).
+    async fn arrived(&mut self) -> Signal {
+        match self.0.wait_for(Option::is_some).await {
+            Ok(s) => s.unwrap_or(Signal {
+                name: "SIGINT",
+                exit_code: 130,
+            }),
+            Err(_) => std::future::pending().await,
+        }
+    }
+}
+
 pub(super) fn open_input(file: Option<&PathBuf>) -> Result<Box<dyn BufRead + Send>, CliError> {
     Ok(match file {
         // `-` is standard input, as for most tools that read files.
@@ -372,6 +454,10 @@ pub struct ImportSummary {
     pub confirmed: usize,
     /// Distinct sessions touched.
     pub sessions: usize,
+    /// The last line of the input whose event is stored (0: none yet):
+    /// every line up to it is, none after it (runs are stored in the
+    /// input's order).
+    pub through_line: usize,
 }
 
 /// Imports JSON lines (SEMANTICS §9): each event at its session's current
@@ -384,7 +470,8 @@ pub async fn import(
     max_bytes: usize,
 ) -> Result<ImportSummary, CliError> {
     let mut target = WriteTarget::of(store);
-    import_fed(&mut target, Feed::Lines(lines.into_iter()), max_bytes).await
+    let feed = Feed::Lines(lines.into_iter());
+    import_fed(&mut target, feed, max_bytes, Interrupt::never()).await
 }
 
 /// How long `import` waits for the next line of its input before it
@@ -400,6 +487,7 @@ pub(crate) async fn import_piped(
     target: &mut WriteTarget<'_>,
     lines: impl Iterator<Item = Result<(usize, String), CliError>> + Send + 'static,
     max_bytes: usize,
+    interrupt: Interrupt,
 ) -> Result<ImportSummary, CliError> {
     let (tx, rx) = tokio::sync::mpsc::channel(IMPORT_BATCH);
     // A plain thread: it may block on the input for ever (a producer that
@@ -411,7 +499,8 @@ pub(crate) async fn import_piped(
             }
         }
     });
-    import_fed(target, Feed::<std::iter::Empty<_>>::Piped(rx), max_bytes).await
+    let feed = Feed::<std::iter::Empty<_>>::Piped(rx);
+    import_fed(target, feed, max_bytes, interrupt).await
 }
 
 type InputLine = Result<(usize, String), CliError>;
@@ -452,10 +541,12 @@ async fn import_fed<I: Iterator<Item = InputLine>>(
     target: &mut WriteTarget<'_>,
     feed: Feed<I>,
     max_bytes: usize,
+    interrupt: Interrupt,
 ) -> Result<ImportSummary, CliError> {
     let mut summary = ImportSummary::default();
-    match import_into(target, feed, max_bytes, &mut summary).await {
+    match import_into(target, feed, max_bytes, &mut summary, interrupt).await {
         Ok(()) => Ok(summary),
+        Err(e @ CliError::Interrupted { .. }) => Err(e),
         // The lines before the bad one are stored (§9): say how many, so
         // the user knows what a re-run will find.
         Err(e) if summary.written + summary.replayed > 0 => Err(CliError::ImportStopped {
@@ -473,13 +564,31 @@ async fn import_into<I: Iterator<Item = InputLine>>(
     mut feed: Feed<I>,
     max_bytes: usize,
     summary: &mut ImportSummary,
+    mut interrupt: Interrupt,
 ) -> Result<(), CliError> {
     let mut sessions: HashSet<Uuid> = HashSet::new();
     let mut batch: Vec<(usize, NewEvent)> = Vec::new();
     let mut batch_bytes = 0;
     let mut batch_session = None;
     loop {
-        let line = match feed.next(!batch.is_empty()).await {
+        // A signal stops the import between appends, never within one
+        // (`flush` is not raced against it): the lines held and not yet
+        // sent are not stored, and said so.
+        let next = tokio::select! {
+            biased;
+            signal = interrupt.arrived() => {
+                summary.sessions = sessions.len();
+                return Err(CliError::Interrupted {
+                    signal,
+                    through_line: summary.through_line,
+                    stored: summary.written + summary.replayed,
+                    replayed: summary.replayed,
+                    pi_session: None,
+                });
+            }
+            next = feed.next(!batch.is_empty()) => next,
+        };
+        let line = match next {
             Fed::Line(line) => line,
             Fed::End => break,
             Fed::Idle => {
@@ -630,6 +739,7 @@ async fn append_at_head(
     } else {
         summary.written += outcome.events.len();
     }
+    summary.through_line = batch.last().map_or(summary.through_line, |(n, _)| *n);
     Ok(())
 }
 
@@ -643,7 +753,8 @@ pub async fn import_pi(
     spool: &PiSpool,
     max_bytes: usize,
 ) -> Result<ImportSummary, CliError> {
-    import_pi_into(&mut WriteTarget::of(store), tree, spool, max_bytes).await
+    let target = &mut WriteTarget::of(store);
+    import_pi_into(target, tree, spool, max_bytes, &Interrupt::never()).await
 }
 
 /// [`import_pi`] into `target`: a file the judging pass refuses is refused
@@ -653,6 +764,7 @@ pub(crate) async fn import_pi_into(
     tree: &crate::pi::PiTree,
     spool: &PiSpool,
     max_bytes: usize,
+    interrupt: &Interrupt,
 ) -> Result<ImportSummary, CliError> {
     // Another import of the same file (or of a longer one) may append
     // between the read of the session and an append: the append then
@@ -661,7 +773,7 @@ pub(crate) async fn import_pi_into(
     let mut attempts = 0;
     loop {
         attempts += 1;
-        match import_pi_once(target, tree, spool, max_bytes).await {
+        match import_pi_once(target, tree, spool, max_bytes, interrupt).await {
             Err(PiAttempt::Raced(_)) if attempts < 5 => {
                 tracing::debug!(session = %tree.session_id(), attempts, "pi import raced another writer; judged again");
             }
@@ -708,8 +820,19 @@ async fn import_pi_once(
     tree: &crate::pi::PiTree,
     spool: &PiSpool,
     max_bytes: usize,
+    interrupt: &Interrupt,
 ) -> Result<ImportSummary, PiAttempt> {
     let id = tree.session_id();
+    // A signal stops the import between its appends (see [`Interrupt`]).
+    let stop = |signal: Signal, stored: i64, replayed: i64| {
+        PiAttempt::Failed(CliError::Interrupted {
+            signal,
+            through_line: 0,
+            stored: stored as usize,
+            replayed: replayed as usize,
+            pi_session: Some(id),
+        })
+    };
     // The judging pass's reads (the throw-away store where the store is
     // not there yet, which holds nothing as it does).
     let tenant = target.tenant().map(str::to_owned);
@@ -753,6 +876,9 @@ async fn import_pi_once(
     // only once the runs before it were written.
     let mut unlooked: Vec<Unlooked> = Vec::new();
     for p in tree.events(spool.lines()?) {
+        if let Some(signal) = interrupt.received() {
+            return Err(stop(signal, head, head));
+        }
         let p = p?;
         let seq = made + 1;
         made = seq;
@@ -853,6 +979,7 @@ async fn import_pi_once(
         replayed: head as usize,
         confirmed: 0,
         sessions: 1,
+        through_line: 0,
     };
     // The writes, to the store itself.
     let store = target.store().await?;
@@ -864,6 +991,9 @@ async fn import_pi_once(
         p.as_ref().map_or(0, |p| p.event.body.heap_bytes())
     };
     loop {
+        if let Some(signal) = interrupt.received() {
+            return Err(stop(signal, at, head));
+        }
         let mut run = Vec::new();
         let mut run_bytes = 0;
         while let Some(p) =

@@ -35,7 +35,7 @@ use target::WriteTarget;
     name = "session-store",
     version,
     about,
-    after_help = "Exit codes: 0 ok; 1 invalid input, not found, no session store at --database, or input or output that cannot be read or written; 2 usage (a bad flag or value); 3 conflict (the session is not at --expected-seq); 4 storage unavailable or failing; 5 verify found a view that disagrees with the log."
+    after_help = "Exit codes: 0 ok; 1 invalid input, not found, no session store at --database, or input or output that cannot be read or written; 2 usage (a bad flag or value); 3 conflict (the session is not at --expected-seq); 4 storage unavailable or failing; 5 verify found a view that disagrees with the log; 130 and 143 an import stopped by SIGINT or SIGTERM, saying what it stored."
 )]
 pub struct Cli {
     /// Database: a SQLite file path (or sqlite://PATH) or postgres://…
@@ -538,6 +538,24 @@ pub enum CliError {
         /// answer was lost ([`ImportSummary::confirmed`](import::ImportSummary::confirmed)).
         confirmed: usize,
     },
+    /// `import` stopped by SIGINT or SIGTERM between two appends
+    /// (it lets the append in flight end): what is stored, and where a re-run
+    /// resumes.
+    #[error("{}", interrupted_said(*signal, *through_line, *stored, *replayed, *pi_session))]
+    Interrupted {
+        /// The signal.
+        signal: import::Signal,
+        /// JSON lines: the last line stored (all before it are, none
+        /// after it).
+        through_line: usize,
+        /// Events stored (JSON lines: by this run; a pi file: of the
+        /// file, in its session).
+        stored: usize,
+        /// Of them, stored before this run.
+        replayed: usize,
+        /// A pi file's session.
+        pi_session: Option<Uuid>,
+    },
     /// The reader of the output went away (`| head`): the command stops
     /// quietly, with exit 0, as `head`'s user asked for no more.
     #[error("the reader of the output closed it")]
@@ -553,11 +571,55 @@ impl CliError {
             CliError::Drift(_) => 5,
             CliError::OutputClosed => 0,
             CliError::ImportStopped { cause, .. } => cause.exit_code(),
+            CliError::Interrupted { signal, .. } => signal.exit_code,
             CliError::LinesNotStored { cause, .. } => store_exit_code(cause),
             CliError::Bench(crate::bench::BenchError::Store(e)) => store_exit_code(e),
             CliError::Bench(_) => 4,
             _ => 1,
         }
+    }
+}
+
+/// [`CliError::Interrupted`]'s sentence.
+fn interrupted_said(
+    signal: import::Signal,
+    through_line: usize,
+    stored: usize,
+    replayed: usize,
+    pi_session: Option<Uuid>,
+) -> String {
+    let name = signal.name;
+    let before = match replayed {
+        0 => String::new(),
+        n => format!(" ({n} of them already were)"),
+    };
+    match pi_session {
+        Some(id) if stored == 0 => format!(
+            "interrupted by {name} before anything of the file was stored in session {id}; \
+             run the import again"
+        ),
+        Some(id) => format!(
+            "interrupted by {name}: {} of the file {} stored in session {id}{before}; \
+             the same import run again stores the rest",
+            count(stored, "event"),
+            if stored == 1 { "is" } else { "are" },
+        ),
+        None if through_line == 0 => format!(
+            "interrupted by {name} before anything was stored: the input is not imported; \
+             run the import again"
+        ),
+        None => format!(
+            "interrupted by {name}: {} of the input {} stored ({}{before}), \
+             none after; the lines from {next} on (`tail -n +{next} FILE`) complete the import \
+             (the whole input run again does too, where each line has an event_id)",
+            match through_line {
+                1 => "line 1".to_owned(),
+                n => format!("lines 1–{n}"),
+            },
+            if through_line == 1 { "is" } else { "are" },
+            count(stored, "event"),
+            next = through_line + 1,
+        ),
     }
 }
 
@@ -1063,7 +1125,11 @@ async fn run_write(
                     "session-store: the pi session file is version {version}, newer than {current}; it is read as version {current}"
                 );
             }
-            let summary = import::import_pi_into(target, &tree, &spool, max_bytes).await?;
+            // Signals are said once the file is read: a stop while it is
+            // copied stores nothing, as before.
+            let interrupt = import::Interrupt::on_signals();
+            let summary =
+                import::import_pi_into(target, &tree, &spool, max_bytes, &interrupt).await?;
             let dropped = match tree.off_path() {
                 0 => String::new(),
                 1 => "; 1 pi entry on another branch dropped".to_owned(),
@@ -1082,7 +1148,8 @@ async fn run_write(
             ..
         } => {
             let lines = InputLines::new(input, crate::event::line_limit(max_bytes));
-            let summary = import_piped(target, lines, max_bytes).await?;
+            let interrupt = import::Interrupt::on_signals();
+            let summary = import_piped(target, lines, max_bytes, interrupt).await?;
             // An import that succeeds leaves a store, even of nothing.
             target.store().await?;
             let said = format!(
