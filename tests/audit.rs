@@ -1095,3 +1095,85 @@ fn postgres_instances_opening_together_all_migrate_the_type_index() {
                  WHERE indexrelid = to_regclass('events_sparse_types')";
     assert_eq!(common::scalar(&url, valid).as_deref(), Some("true"));
 }
+
+/// `audit changes` orders the tools of one refresh point by their bytes on
+/// both backends, also on a PostgreSQL database whose collation is not
+/// (ICU's `en-US` puts `alpha` before `Zeta`), and pages the same way: a
+/// store moved between backends answers alike, page for page.
+#[test]
+fn changes_order_tools_by_their_bytes_on_every_collation() {
+    let session = "c011a7e0-0000-4000-8000-000000000001";
+    let line = |body: &str| format!(r#"{{"session_id":"{session}",{body}}}"#);
+    let log = [
+        line(r#""type":"session_started","mode":"agent""#),
+        line(
+            r#""type":"catalog_defined","mode":"agent","deferred_tools":["beta","éclair","Zeta","alpha"]"#,
+        ),
+        line(r#""type":"prompt_submitted","text":"find tools""#),
+        line(r#""type":"tool_call","call_id":"s1","tool_name":"ToolSearch","input":{}"#),
+        line(
+            r#""type":"tool_result","call_id":"s1","tool_name":"ToolSearch","status":"success","output":{},"added_tool_names":["beta","éclair","Zeta","alpha"]"#,
+        ),
+        line(r#""type":"prompt_submitted","text":"use them""#),
+    ]
+    .join("\n");
+    let mut stores = vec![("sqlite", common::sqlite_db())];
+    let icu =
+        "TEMPLATE template0 ENCODING 'UTF8' LOCALE 'C' LOCALE_PROVIDER icu ICU_LOCALE 'en-US'";
+    if let Some(db) = common::postgres_db_with(icu) {
+        // The database sorts as the test means it to.
+        let sorted = "SELECT string_agg(t, ',' ORDER BY t) FROM (VALUES ('Zeta'), ('alpha')) v(t)";
+        assert_eq!(
+            common::scalar(&db.url, sorted),
+            Some("alpha,Zeta".to_owned())
+        );
+        stores.push(("postgres (ICU en-US)", db));
+    }
+    let want = ["Zeta", "alpha", "beta", "éclair"];
+    for (backend, db) in &stores {
+        let out = Command::new(BIN)
+            .args(["--database", &db.url, "import"])
+            .env_remove("DATABASE_URL")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .and_then(|mut child| {
+                use std::io::Write;
+                child.stdin.take().unwrap().write_all(log.as_bytes())?;
+                child.wait_with_output()
+            })
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{backend}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let page = json_of(&run(&db.url, &["audit", "changes", "--json"]));
+        let tools: Vec<&str> = page["changes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["tool"].as_str().unwrap())
+            .collect();
+        assert_eq!(tools, want, "{backend}: one page");
+        let mut paged = Vec::new();
+        let mut after: Option<String> = None;
+        loop {
+            let mut args = vec!["audit", "changes", "--json", "--limit", "1"];
+            if let Some(a) = &after {
+                args.extend(["--after", a.as_str()]);
+            }
+            let page = json_of(&run(&db.url, &args));
+            for c in page["changes"].as_array().unwrap() {
+                paged.push(c["tool"].as_str().unwrap().to_owned());
+            }
+            match page["next"].as_str() {
+                Some(next) => after = Some(next.to_owned()),
+                None => break,
+            }
+            assert!(paged.len() <= want.len(), "{backend}: {paged:?}");
+        }
+        assert_eq!(paged, want, "{backend}: pages of one");
+    }
+}

@@ -27,11 +27,17 @@ const NAME_SCAN: i64 = 2_000;
 
 /// Binds ids and times as each backend stores them.
 pub(crate) trait Dialect: sqlx::Database {
+    /// What makes a comparison or an order of text columns byte order:
+    /// SQLite's default (BINARY) is; a PostgreSQL database's collation may
+    /// not be (ICU's `en-US` puts `a` before `Z`), and the two backends
+    /// must page an audit query alike (a review's finding).
+    const BYTE_ORDER: &'static str;
     fn push_uuid(q: &mut QueryBuilder<'_, Self>, id: Uuid);
     fn push_time(q: &mut QueryBuilder<'_, Self>, t: DateTime<Utc>);
 }
 
 impl Dialect for Sqlite {
+    const BYTE_ORDER: &'static str = "";
     fn push_uuid(q: &mut QueryBuilder<'_, Self>, id: Uuid) {
         q.push_bind(id.to_string());
     }
@@ -41,6 +47,7 @@ impl Dialect for Sqlite {
 }
 
 impl Dialect for Postgres {
+    const BYTE_ORDER: &'static str = " COLLATE \"C\"";
     fn push_uuid(q: &mut QueryBuilder<'_, Self>, id: Uuid) {
         q.push_bind(id);
     }
@@ -394,6 +401,7 @@ where
         b.push_bind(position);
         b.push(" AND c.tool > ");
         b.push_bind(tool);
+        b.push(DB::BYTE_ORDER);
         b.push("))");
     }
     if let Some(t) = &q.tool {
@@ -405,7 +413,10 @@ where
         b.push_bind(c.clone());
     }
     q.scope.push(&mut b, "c");
-    b.push(" ORDER BY c.position, c.tool LIMIT ");
+    b.push(format!(
+        " ORDER BY c.position, c.tool{} LIMIT ",
+        DB::BYTE_ORDER
+    ));
     b.push_bind(q.scope.limit + 1);
     b
 }

@@ -71,6 +71,12 @@ pub fn sqlite_db() -> TestDb {
 /// A fresh PostgreSQL database, or `None` (skipped) outside CI without
 /// PostgreSQL.
 pub fn postgres_db() -> Option<TestDb> {
+    postgres_db_with("")
+}
+
+/// [`postgres_db`] created with `options` after `CREATE DATABASE name`
+/// (a template, an encoding, a collation).
+pub fn postgres_db_with(options: &str) -> Option<TestDb> {
     let admin = postgres_admin_url()?;
     static N: AtomicUsize = AtomicUsize::new(0);
     let name = format!(
@@ -80,7 +86,7 @@ pub fn postgres_db() -> Option<TestDb> {
         uuid::Uuid::new_v4().simple()
     );
     let (base, _) = admin.rsplit_once('/').expect("admin url has a database");
-    psql(&admin, &format!("CREATE DATABASE {name}"));
+    psql(&admin, &format!("CREATE DATABASE {name} {options}"));
     Some(TestDb {
         url: format!("{base}/{name}"),
         _dir: None,
