@@ -156,6 +156,42 @@ fn result(call_id: &str, tool: &str, added: Option<Vec<String>>) -> NewEvent {
     })
 }
 
+// A refusal judged against an earlier append of its own group is answered
+// once that append is committed: a 409 names a head a read then finds (a
+// review read the head right after a 409 and found the append that made
+// it not yet committed, 45 times in 900).
+both_backends!(
+    a_conflict_is_answered_after_the_commit_that_made_its_head,
+    |url: String| async move {
+        let options = StoreOptions {
+            fault_pause_before_commit: Some(Duration::from_millis(600)),
+            ..StoreOptions::default()
+        };
+        let store = Arc::new(Store::open_with(&url, options).await.unwrap());
+        let reader = Store::open(&url).await.unwrap();
+        let (s, blocker) = (Uuid::new_v4(), Uuid::new_v4());
+        store.append(s, 0, vec![started()]).await.unwrap();
+        let first = store.clone();
+        let holder = tokio::spawn(async move { first.append(blocker, 0, vec![started()]).await });
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        // Both queue behind the held commit, so they share the next group.
+        let a = {
+            let store = store.clone();
+            tokio::spawn(async move { store.append(s, 1, vec![prompt("a")]).await })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let refused = store.append(s, 1, vec![prompt("b")]).await;
+        let head_then = reader.head_seq(s).await.unwrap();
+        match refused {
+            Err(Error::Conflict { current, .. }) => assert_eq!(current, 2),
+            other => panic!("expected a conflict: {other:?}"),
+        }
+        assert_eq!(head_then, 2, "the 409's head is committed when it is said");
+        assert_eq!(a.await.unwrap().unwrap().events[0].seq, 2);
+        holder.await.unwrap().unwrap();
+    }
+);
+
 // Appends that depend on one another, queued behind a commit held open so
 // that they are committed in one group: a call and its result in different
 // appends, two refresh points, a retry of an event the group wrote, a

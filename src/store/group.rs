@@ -166,6 +166,21 @@ impl From<Error> for Failed {
 }
 
 /// The same failure for another append of the group.
+/// What a refused append of a group that did not commit is told: its
+/// refusal was judged against appends that are not stored (or not known
+/// to be), so it is not said; nothing of it was written (a refusal writes
+/// nothing), and sent again it is judged afresh.
+fn unsettled(e: &Error) -> Error {
+    let cause = match e {
+        Error::Database(m) | Error::Unavailable(m) | Error::OutcomeUnknown(m) => m.clone(),
+        e => e.to_string(),
+    };
+    Error::Unavailable(format!(
+        "this append was judged together with others whose transaction failed ({cause}); \
+         nothing of it was stored: send it again"
+    ))
+}
+
 fn again(e: &Error) -> Error {
     match e {
         Error::Unavailable(m) => Error::Unavailable(m.clone()),
@@ -335,6 +350,14 @@ async fn run<T: LogTx>(
     // accepted append here found.
     let mut quiet: Vec<(Uuid, bool)> = Vec::new();
     let mut broken: Option<Error> = None;
+    // Refusals are answered once the group's outcome is known, as its
+    // acceptances are: an append is judged against the group's earlier,
+    // uncommitted ones, so a 409 may name a head that is not committed
+    // yet (a read right after it did not find it: a review's finding), or
+    // one that a failed commit never makes true; so may a refusal of an
+    // id or call id an earlier member took. Should the group not commit,
+    // they are told to try again, and judged afresh then.
+    let mut refused: Vec<(oneshot::Sender<Result<AppendOutcome>>, Error)> = Vec::new();
     for p in group {
         if p.reply.is_closed() {
             // Its caller gave up before the append was tried: it is not
@@ -369,16 +392,22 @@ async fn run<T: LogTx>(
                 }
                 accepted.push((p.reply, outcome))
             }
-            Err(Failed { error, broken: b }) => {
-                if b {
-                    broken = Some(again(&error));
-                    // Those accepted before are rolled back with this one.
-                    for (reply, _) in accepted.drain(..) {
-                        let _ = reply.send(Err(again(&error)));
-                    }
+            Err(Failed {
+                error,
+                broken: true,
+            }) => {
+                broken = Some(again(&error));
+                // Those accepted before are rolled back with this one, and
+                // those refused were judged against them.
+                for (reply, _) in accepted.drain(..) {
+                    let _ = reply.send(Err(again(&error)));
+                }
+                for (reply, _) in refused.drain(..) {
+                    let _ = reply.send(Err(unsettled(&error)));
                 }
                 let _ = p.reply.send(Err(error));
             }
+            Err(Failed { error, .. }) => refused.push((p.reply, error)),
         }
     }
     if broken.is_some() {
@@ -387,10 +416,14 @@ async fn run<T: LogTx>(
         return;
     }
     if accepted.is_empty() {
-        // Every append was refused: no state was advanced (a refused batch
-        // leaves its state untouched or takes it), so the cache keeps them.
+        // Every append was refused, each against committed rows only: no
+        // state was advanced (a refused batch leaves its state untouched
+        // or takes it), so the cache keeps them.
         for warm in local.into_values() {
             states.put(warm);
+        }
+        for (reply, error) in refused {
+            let _ = reply.send(Err(error));
         }
         return;
     }
@@ -411,10 +444,16 @@ async fn run<T: LogTx>(
             for (reply, outcome) in accepted {
                 let _ = reply.send(reply_after_commit(options, outcome));
             }
+            for (reply, error) in refused {
+                let _ = reply.send(Err(error));
+            }
         }
         Err(e) => {
             for (reply, _) in accepted {
                 let _ = reply.send(Err(again(&e)));
+            }
+            for (reply, _) in refused {
+                let _ = reply.send(Err(unsettled(&e)));
             }
         }
     }
