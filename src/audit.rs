@@ -576,12 +576,18 @@ pub fn reason_text(reason: &Reason) -> String {
     match reason {
         Reason::NeverEvidenced => "no result ever gave evidence for it".to_owned(),
         Reason::OnlyUnsuccessful { results, total } => format!(
-            "only unsuccessful results named it ({total}: {})",
+            "only unsuccessful results named it ({total}: {}{})",
             results
                 .iter()
                 .map(|r| format!("{} at seq {}", r.status.as_str(), r.seq))
                 .collect::<Vec<_>>()
-                .join(", ")
+                .join(", "),
+            // The list is cut at its first ones (docs/audit.md): said, so
+            // that it is not read as all of them.
+            match total.saturating_sub(results.len()) {
+                0 => String::new(),
+                more => format!(" and {more} more"),
+            }
         ),
         Reason::Compacted {
             compaction_seq,
@@ -662,6 +668,28 @@ mod tests {
         assert_eq!(e.catalog.map(|c| c.seq), Some(2));
         assert_eq!(e.mode, "agent");
         assert!(e.why.contains("seq 5"), "{}", e.why);
+    }
+
+    #[test]
+    fn a_cut_list_of_unsuccessful_results_says_how_many_more() {
+        let mut log = base();
+        for i in 0..MAX_LISTED_RESULTS + 3 {
+            let id = format!("c{i}");
+            log = log
+                .push(call(&id, "web_fetch"))
+                .push(result(&id, "web_fetch", Error, &[]));
+        }
+        let why = audit(&log).explain("web_fetch").why;
+        let total = MAX_LISTED_RESULTS + 3;
+        assert!(
+            why.contains(&format!("({total}: error at seq 5,")) && why.ends_with(" and 3 more)."),
+            "{why}"
+        );
+        let few = base()
+            .push(call("c1", "web_fetch"))
+            .push(result("c1", "web_fetch", Error, &[]));
+        let why = audit(&few).explain("web_fetch").why;
+        assert!(why.ends_with("(1: error at seq 5)."), "{why}");
     }
 
     #[test]
