@@ -340,6 +340,13 @@ impl Error {
                 Error::Unavailable("the store's connections are closed (it is shutting down)".to_owned())
             }
             sqlx::Error::Tls(_) | sqlx::Error::WorkerCrashed => Error::Unavailable(e.to_string()),
+            // A stored value of a type or encoding the store never writes
+            // (SQLite keeps whatever an edit around the store put there):
+            // the data's fault, not the storage's (`verify` says it as a
+            // difference, exit 5), said without the driver's words.
+            sqlx::Error::ColumnDecode { index, source } => Error::Corrupt(format!(
+                "a stored row cannot be read (its column {index}: {source}); it was written or changed around the store: `session-store verify --integrity` names the rows"
+            )),
             sqlx::Error::Database(db)
                 if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() =>
             {

@@ -636,3 +636,75 @@ both_backends!(
         assert_eq!(copy.head_seq(victim).await.unwrap(), 6);
     }
 );
+
+fn cli(url: &str, args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_session-store"))
+        .args(["--database", url])
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Rows an edit around a SQLite store left unreadable (a payload that is
+/// not UTF-8, which SQLite does not check; a session id that is no UUID)
+/// are differences `verify` names with their position (exit 5), not the
+/// storage failing (exit 4, the driver's words, a review's finding), and
+/// other reads name the row too; a drift verdict outlives an output that
+/// cannot be written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreadable_sqlite_rows_are_named_by_their_position() {
+    let db = common::sqlite_db();
+    let url = db.url.clone();
+    let (store, victim, _) = setup(&url).await;
+    store.close().await;
+    // The victim's rows were the store's first: its seq 3 is position 3.
+    let position = 3;
+    raw(
+        &url,
+        &format!(
+            "{} UPDATE events SET payload = CAST(x'7b2274657874223a22ff227d' AS TEXT) \
+             WHERE position = {position};",
+            disable_triggers(&url)
+        ),
+    )
+    .await;
+    let named =
+        format!("event at position {position}: its payload is not UTF-8 text (byte 9 is not)");
+    for args in [&["verify"][..], &["verify", "--integrity"]] {
+        let (code, said) = cli(&url, args);
+        assert_eq!(code, 5, "{args:?}: {said}");
+        assert!(said.contains(&named), "{args:?}: {said}");
+    }
+    let (code, said) = cli(&url, &["history", &victim.to_string()]);
+    assert_eq!(code, 4, "{said}");
+    assert!(said.contains(&named), "{said}");
+    // The drift is said when the JSON report cannot be written.
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_session-store"))
+        .args(["--database", &url, "verify", "--integrity", "--json"])
+        .stdout(full)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(5), "{said}");
+    assert!(said.contains("the report could not be written"), "{said}");
+
+    raw(
+        &url,
+        &format!("UPDATE events SET session_id = 'zzz' WHERE position = {position};"),
+    )
+    .await;
+    let named = format!("event at position {position}: its session_id \"zzz\" is not a UUID");
+    for args in [&["verify"][..], &["verify", "--integrity"]] {
+        let (code, said) = cli(&url, args);
+        assert_eq!(code, 5, "{args:?}: {said}");
+        assert!(said.contains(&named), "{args:?}: {said}");
+    }
+}

@@ -1399,7 +1399,16 @@ async fn run_on(store: &Store, command: Command, out: &mut dyn Write) -> Result<
             integrity,
             json,
         } => {
-            let sessions = target_sessions(store, session.as_deref()).await?;
+            let sessions = match target_sessions(store, session.as_deref()).await {
+                // A row whose session cannot be told (an edit around the
+                // store) is a difference like the others (exit 5).
+                Err(CliError::Store(Error::Corrupt(why))) => {
+                    return Err(CliError::Drift(format!(
+                        "the log was changed behind the store's back: {why}"
+                    )))
+                }
+                other => other?,
+            };
             // The chains first: an edit behind the store's back usually
             // also makes a view disagree, and the chain names the row.
             let report = match integrity {
@@ -1408,7 +1417,14 @@ async fn run_on(store: &Store, command: Command, out: &mut dyn Write) -> Result<
                         Some(s) => Some(parse_session(s)?),
                         None => None,
                     };
-                    Some(store.verify_integrity(only).await?)
+                    match store.verify_integrity(only).await {
+                        Err(Error::Corrupt(why)) => {
+                            return Err(CliError::Drift(format!(
+                                "the log was changed behind the store's back: {why}"
+                            )))
+                        }
+                        other => Some(other?),
+                    }
                 }
                 false => None,
             };
@@ -1430,10 +1446,23 @@ async fn run_on(store: &Store, command: Command, out: &mut dyn Write) -> Result<
                     fields.insert("view_drift".to_owned(), serde_json::json!(drift));
                 }
                 // The verdict is the exit code: a reader that closed
-                // the output does not turn a broken chain into exit 0.
+                // the output does not turn a broken chain into exit 0, nor
+                // an output that cannot be written into exit 1.
                 match print_json(out, &said) {
                     Err(CliError::OutputClosed) | Ok(()) => {}
-                    Err(e) => return Err(e),
+                    Err(e) if report.intact() && drift.is_none() => return Err(e),
+                    Err(e) => {
+                        let first = report
+                            .breaks
+                            .first()
+                            .map(|b| b.message.clone())
+                            .or_else(|| report.log_problems.first().cloned())
+                            .or(drift)
+                            .unwrap_or_default();
+                        return Err(CliError::Drift(format!(
+                            "{first} (the report could not be written: {e})"
+                        )));
+                    }
                 }
                 if report.intact() {
                     return match drift {

@@ -78,7 +78,10 @@ const CACHED_ROWS: usize = INSERT_CHUNK;
 /// judgement goes on (docs/design.md, "Rows sent ahead").
 const AHEAD_ROWS: usize = 16;
 
-type Row = (i64, String, i64, String, String, String);
+/// The payload comes as bytes: a TEXT value that is not UTF-8 (an edit
+/// around the store; SQLite does not check) is then said as that row's,
+/// with its position, not as the driver's failure to decode a column.
+type Row = (i64, String, i64, String, Vec<u8>, String);
 
 /// A [`Row`] with its chain hash and its `type` column (`chained_page`).
 type TypedRow = (
@@ -86,7 +89,7 @@ type TypedRow = (
     String,
     i64,
     String,
-    String,
+    Vec<u8>,
     String,
     Option<String>,
     String,
@@ -99,7 +102,7 @@ type JudgeRow = (
     String,
     Option<i64>,
     String,
-    String,
+    Vec<u8>,
     String,
     Option<String>,
     i64,
@@ -252,7 +255,15 @@ fn decode(row: Row) -> Result<StoredEvent> {
         recorded_at: DateTime::parse_from_rfc3339(&recorded_at)
             .map_err(|_| corrupt("bad recorded_at"))?
             .with_timezone(&Utc),
-        body: EventBody::from_json_text(&payload).map_err(|e| corrupt(&e.to_string()))?,
+        body: match String::from_utf8(payload) {
+            Ok(text) => EventBody::from_json_text(&text).map_err(|e| corrupt(&e.to_string()))?,
+            Err(e) => {
+                let at = e.utf8_error().valid_up_to();
+                return Err(corrupt(&format!(
+                    "its payload is not UTF-8 text (byte {at} is not)"
+                )));
+            }
+        },
     })
 }
 
@@ -1633,11 +1644,27 @@ impl LogTx for SqliteTx {
                 .fetch_all(self.conn().await?)
                 .await
                 .map_err(Error::from_sqlx)?;
-        rows.into_iter()
-            .map(|(s,)| {
-                Uuid::parse_str(&s).map_err(|_| Error::Corrupt(format!("bad session id {s:?}")))
-            })
-            .collect()
+        let mut ids = Vec::with_capacity(rows.len());
+        for (s,) in rows {
+            match Uuid::parse_str(&s) {
+                Ok(id) => ids.push(id),
+                // Only an edit around the store writes one: said with
+                // where it is, as `verify` says a row it cannot read.
+                Err(_) => {
+                    let at: Option<i64> =
+                        sqlx::query_scalar("SELECT MIN(position) FROM events WHERE session_id = ?")
+                            .bind(&s)
+                            .fetch_one(self.conn().await?)
+                            .await
+                            .map_err(Error::from_sqlx)?;
+                    return Err(Error::Corrupt(format!(
+                        "event at position {}: its session_id {s:?} is not a UUID",
+                        at.unwrap_or(0)
+                    )));
+                }
+            }
+        }
+        Ok(ids)
     }
 
     async fn session_owner(&mut self, session_id: Uuid) -> Result<Option<String>> {
