@@ -157,7 +157,7 @@ impl ChainChecker {
             return Some(brk(
                 BreakKind::MissingHash,
                 format!(
-                    "session {}: seq {} (event {}) has no hash; it was written around the store or its hash was erased",
+                    "session {}: seq {} (event {}) has no hash; it was written around the store, by a session-store from before the hash chain (migration 4) still running after the upgrade, or its hash was erased",
                     event.session_id, event.seq, event.event_id
                 ),
             ));

@@ -45,5 +45,6 @@ pub use event::{EventBody, NewEvent, StoredEvent, ToolStatus};
 pub use projector::{Activation, Activations, Context, ContextRow, SessionState, View};
 pub use store::{
     AppendOutcome, AppendPaths, Appended, BackendKind, CacheUsage, ChangeRow, Recovery,
-    RetryPolicy, Store, StoreOptions, Subscription, DEFAULT_STATE_CACHE_BYTES, DEFAULT_TENANT,
+    RetryPolicy, SchemaChange, Store, StoreOptions, Subscription, DEFAULT_STATE_CACHE_BYTES,
+    DEFAULT_TENANT,
 };

@@ -849,8 +849,24 @@ fn a_store_from_before_the_sparse_type_index_is_upgraded_whole() {
             "{backend}"
         );
 
-        // The next open migrates; the answers and the views are the same,
-        // and verify finds the views in agreement with the log.
+        // The next open migrates, and says so; the answers and the views
+        // are the same, and verify finds the views in agreement with the
+        // log.
+        let out = run(url, &["audit", "events", "--type", "compaction", "--json"]);
+        let said = String::from_utf8_lossy(&out.stderr);
+        let (from, to) = if backend == "sqlite" {
+            (5, 10)
+        } else {
+            (8, 12)
+        };
+        assert_eq!(
+            said,
+            format!(
+                "session-store: upgraded the store's schema from migration {from} to {to}; \
+                 builds older than this one refuse the store from now on (docs/operations.md, \"Upgrades\")\n"
+            ),
+            "{backend}"
+        );
         assert_eq!((page("compaction"), page("tool_call")), before, "{backend}");
         assert_eq!(common::scalar(url, views), views_before, "{backend}");
         assert!(run(url, &["verify", S]).status.success(), "{backend}");
@@ -1025,6 +1041,59 @@ fn postgres_an_unfinished_sparse_type_index_is_built_again_without_stopping_read
         &["audit", "events", "--type", "compaction", "--json"],
     ));
     assert_eq!(page["events"].as_array().unwrap().len(), 1, "{page}");
+}
+
+#[test]
+fn postgres_a_rebuild_of_the_type_index_held_up_by_a_lock_says_which_migration() {
+    // The rebuild of a cut-off 0009 waits for the lock on `events` another
+    // transaction holds: past the lock timeout the open fails naming the
+    // migration and the index, as a first attempt's failure does (it said
+    // only "canceling statement due to lock timeout"), and the next open
+    // once the lock is gone finishes it.
+    use sqlx::Connection;
+    let Some(db) = pg_store_before_sparse_types() else {
+        return;
+    };
+    let url = db.url.clone();
+    common::raw_sql(
+        &url,
+        "CREATE INDEX events_sparse_types ON events (type, position) \
+         WHERE type IN ('session_started', 'catalog_defined', 'prompt_submitted', \
+         'compaction', 'mode_switched')",
+    );
+    common::raw_sql(
+        &url,
+        "UPDATE pg_index SET indisvalid = false \
+         WHERE indexrelid = to_regclass('events_sparse_types')",
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let holder = rt.block_on(async {
+        let mut c = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::raw_sql("BEGIN; LOCK TABLE events IN SHARE UPDATE EXCLUSIVE MODE")
+            .execute(&mut c)
+            .await
+            .unwrap();
+        c
+    });
+    let out = run(&url, &["migrate"]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(4), "{said}");
+    assert!(
+        said.contains("failed at migration 9, building again the index events_sparse_types")
+            && said.contains("lock timeout")
+            && said.contains("the next open tries again"),
+        "{said}"
+    );
+    rt.block_on(holder.close()).unwrap();
+    let out = run(&url, &["migrate"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let valid = "SELECT CAST(indisvalid AS TEXT) FROM pg_index \
+                 WHERE indexrelid = to_regclass('events_sparse_types')";
+    assert_eq!(common::scalar(&url, valid).as_deref(), Some("true"));
 }
 
 #[test]

@@ -440,7 +440,7 @@ fn postgres_urls_are_refused_precisely_and_a_read_only_role_is_said() {
     let out = run(&no_schema, &["migrate"], "");
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(
-        String::from_utf8_lossy(&out.stdout).starts_with("the schema is up to date: migration "),
+        String::from_utf8_lossy(&out.stdout).starts_with("created the schema: migration "),
         "{}",
         String::from_utf8_lossy(&out.stdout)
     );

@@ -783,6 +783,7 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
         ),
         ..StoreOptions::default()
     };
+    let migrating = matches!(cli.command, Command::Migrate);
     match cli.command {
         Command::Openapi => {
             return write!(out, "{}", crate::server::openapi_json()).map_err(io);
@@ -836,6 +837,15 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
     // After the storage was said unavailable, a connection may still be
     // inside a round trip the server will not answer: the answer is given,
     // so the close waits a moment, not a timeout again.
+    // Every command migrates the store it opens; an upgrade, which older
+    // builds cannot undo, is said (`migrate` says it as its answer).
+    if let (Some(crate::store::SchemaChange::Upgraded { from, to }), false) =
+        (target.schema_change(), migrating)
+    {
+        eprintln!(
+            "session-store: upgraded the store's schema from migration {from} to {to}; {UPGRADE_IS_ONE_WAY}"
+        );
+    }
     let unavailable = std::time::Duration::from_secs(1);
     let bound = match &result {
         Err(e) if e.exit_code() == 4 => unavailable,
@@ -844,6 +854,10 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
     target.close(bound).await;
     result
 }
+
+/// What an upgrade's message adds: why it is worth saying.
+const UPGRADE_IS_ONE_WAY: &str =
+    "builds older than this one refuse the store from now on (docs/operations.md, \"Upgrades\")";
 
 /// `--tenant`: as a token document's tenant (docs/api.md).
 fn parse_tenant(s: &str) -> Result<String, String> {
@@ -972,6 +986,12 @@ async fn serve(
     };
     options.state_cache_bytes = usize::try_from(args.state_cache_memory).unwrap_or(usize::MAX);
     let store = std::sync::Arc::new(Store::open_with(database, options).await?);
+    if let crate::store::SchemaChange::Upgraded { from, to } = store.schema_change() {
+        warn!(
+            from,
+            to, "upgraded the store's schema; {UPGRADE_IS_ONE_WAY}"
+        );
+    }
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| CliError::Io(format!("cannot listen on {}: {e}", args.listen)))?;
@@ -1260,12 +1280,20 @@ async fn run_on(store: &Store, command: Command, out: &mut dyn Write) -> Result<
         }
         Command::Migrate => {
             // The open migrated: the schema is at this build's latest.
-            writeln!(
-                out,
-                "the schema is up to date: migration {}, the latest this build knows",
-                store.schema_version()
-            )
-            .map_err(io)?;
+            let said = match store.schema_change() {
+                crate::store::SchemaChange::None => format!(
+                    "the schema is up to date: migration {}, the latest this build knows",
+                    store.schema_version()
+                ),
+                crate::store::SchemaChange::Created { to } => format!(
+                    "created the schema: migration {to}, the latest this build knows"
+                ),
+                crate::store::SchemaChange::Upgraded { from, to } => format!(
+                    "upgraded the schema from migration {from} to {to}, the latest this build knows; {}",
+                    UPGRADE_IS_ONE_WAY
+                ),
+            };
+            writeln!(out, "{said}").map_err(io)?;
         }
         Command::Context {
             session,

@@ -298,6 +298,16 @@ impl<'a> WriteTarget<'a> {
         self.said(refused)
     }
 
+    /// What opening the store did to its schema, once it is open (not the
+    /// throw-away judging store's).
+    pub(crate) fn schema_change(&self) -> Option<crate::store::SchemaChange> {
+        match &self.store {
+            Target::Owned(store) => Some(store.schema_change()),
+            Target::Borrowed(store) => Some(store.schema_change()),
+            _ => None,
+        }
+    }
+
     /// Closes what this target opened, each within `bound` (see `run`).
     pub(crate) async fn close(self, bound: std::time::Duration) {
         let scratch = self.scratch.map(|(store, dir)| (store, Some(dir)));

@@ -569,6 +569,40 @@ pub enum BackendKind {
     Postgres,
 }
 
+/// The migration a store is at: the latest of `known` that it has
+/// applied with every one before it (a store missing one in the middle,
+/// as only an edit leaves it, is at the one before the gap).
+pub(crate) fn migrated_through(known: &sqlx::migrate::Migrator, applied: &[i64]) -> i64 {
+    let mut through = 0;
+    for m in known.iter() {
+        if !applied.contains(&m.version) {
+            break;
+        }
+        through = m.version;
+    }
+    through
+}
+
+/// What opening a store (or [`Store::migrate`]) did to its schema.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SchemaChange {
+    /// Nothing: it was at this build's latest migration.
+    None,
+    /// A new store: every migration, up to `to`.
+    Created {
+        /// The latest migration, now applied.
+        to: i64,
+    },
+    /// An existing store moved from migration `from` to `to`; builds
+    /// that know only migrations up to `from` refuse it from now on.
+    Upgraded {
+        /// The store's latest migration before.
+        from: i64,
+        /// Its latest now.
+        to: i64,
+    },
+}
+
 /// An open session store.
 ///
 /// ```no_run
@@ -610,6 +644,8 @@ pub struct Store {
     /// SQLite: when this store's run of back-to-back [`Store::rebuild`]s
     /// started, and when the last one ended ([`rebuild::REBUILD_RUN`]).
     rebuilds: Mutex<Option<(std::time::Instant, std::time::Instant)>>,
+    /// What the open did to the schema.
+    schema_change: SchemaChange,
     /// Reads that may hold a pooled connection for as long as a fold of a
     /// whole log takes (a state as of a past seq, `verify`): one fewer
     /// than the pool has, so one is always left for the short reads. Twelve
@@ -718,10 +754,19 @@ impl Store {
             pulse: Default::default(),
             closed: Default::default(),
             rebuilds: Mutex::new(None),
+            schema_change: SchemaChange::None,
         };
-        store.migrate().await?;
+        let mut store = store;
+        store.schema_change = store.migrate().await?;
         store.backfill().await?;
         Ok(store)
+    }
+
+    /// What this store's open did to its schema: an upgrade is said by
+    /// the command line and `serve`, since builds older than this one
+    /// refuse the store from then on (docs/operations.md, "Upgrades").
+    pub fn schema_change(&self) -> SchemaChange {
+        self.schema_change
     }
 
     /// Whether the store can serve: the database answers a read and, on
@@ -752,12 +797,19 @@ impl Store {
         }
     }
 
-    /// Applies pending migrations (also done by [`Store::open`]).
-    pub async fn migrate(&self) -> Result<()> {
-        match &self.backend {
-            Backend::Sqlite(b) => b.migrate().await,
-            Backend::Postgres(b) => b.migrate().await,
-        }
+    /// Applies pending migrations (also done by [`Store::open`]), and
+    /// says what that changed.
+    pub async fn migrate(&self) -> Result<SchemaChange> {
+        let from = match &self.backend {
+            Backend::Sqlite(b) => b.migrate().await?,
+            Backend::Postgres(b) => b.migrate().await?,
+        };
+        let to = self.schema_version();
+        Ok(match from {
+            0 => SchemaChange::Created { to },
+            from if from < to => SchemaChange::Upgraded { from, to },
+            _ => SchemaChange::None,
+        })
     }
 
     /// Appends `events` to `session_id` atomically, if the session is at

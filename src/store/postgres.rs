@@ -216,12 +216,24 @@ async fn repair_cut_off_builds(
         .find(|m| m.version == 9)
         .map(|m| m.sql.to_string())
         .unwrap_or_default();
+    // Said as the migration it finishes, as a first attempt's failure is
+    // (a review's finding: a lock timeout here said only "canceling
+    // statement due to lock timeout").
+    let said = |e: sqlx::Error| {
+        let doing = "migrating the PostgreSQL database failed at migration 9, building again \
+                     the index events_sparse_types, whose build an earlier open left cut off";
+        let next = "the next open tries again; a transaction left open on events (another \
+                    program's) holds it up";
+        match Error::from_sqlx(e) {
+            Error::Unavailable(m) => Error::Unavailable(format!("{doing}: {m}; {next}")),
+            Error::Database(m) => Error::Database(format!("{doing}: {m}; {next}")),
+            other => other,
+        }
+    };
     conn.execute("DROP INDEX CONCURRENTLY IF EXISTS events_sparse_types")
         .await
-        .map_err(Error::from_sqlx)?;
-    conn.execute(build.as_str())
-        .await
-        .map_err(Error::from_sqlx)?;
+        .map_err(said)?;
+    conn.execute(build.as_str()).await.map_err(said)?;
     Ok(())
 }
 
@@ -941,7 +953,9 @@ impl PgBackend {
         }
     }
 
-    pub(crate) async fn migrate(&self) -> Result<()> {
+    /// Applies what is pending; returns the migration the store was at
+    /// before (0: no store yet), as read under the migration lock.
+    pub(crate) async fn migrate(&self) -> Result<i64> {
         // Every open migrates; almost always there is nothing to apply.
         // That is checked first in one bounded read, so that a server that
         // stops answering during an open is said within the read deadline
@@ -990,7 +1004,7 @@ impl PgBackend {
             .map(|m| (m.version, m.checksum.to_vec()))
             .collect();
         if applied.as_ref() == Some(&known) {
-            return Ok(());
+            return Ok(latest_migration());
         }
         if applied.is_none() {
             let db = self.connect.get_database().unwrap_or("postgres");
@@ -1049,10 +1063,35 @@ impl PgBackend {
                 )));
             }
             repair_cut_off_builds(&mut conn, self.read_deadline).await?;
+            // Where the store is now, under the lock: another instance
+            // may have migrated it since the read above.
+            let table: bool = trip(
+                self.read_deadline,
+                sqlx::query_scalar(
+                    "SELECT EXISTS (SELECT 1 FROM pg_class c \
+                     JOIN pg_namespace n ON n.oid = c.relnamespace \
+                     WHERE n.nspname = current_schema() AND c.relname = '_sqlx_migrations')",
+                )
+                .fetch_one(&mut conn),
+            )
+            .await?;
+            let from = match table {
+                true => {
+                    let applied: Vec<i64> = trip(
+                        self.read_deadline,
+                        sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
+                            .fetch_all(&mut conn),
+                    )
+                    .await?;
+                    super::migrated_through(&MIGRATOR, &applied)
+                }
+                false => 0,
+            };
             MIGRATOR
                 .run_direct(&mut conn)
                 .await
-                .map_err(|e| Error::from_migration("PostgreSQL", e))
+                .map_err(|e| Error::from_migration("PostgreSQL", e))?;
+            Ok(from)
         }
         .await;
         // Its settings are not the store's: closed, not returned (which

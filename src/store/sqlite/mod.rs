@@ -244,6 +244,26 @@ impl Writer {
     }
 }
 
+/// The migration a SQLite store is at ([`super::migrated_through`]; 0: no
+/// table).
+async fn applied_version(
+    conn: &mut SqliteConnection,
+) -> std::result::Result<i64, sqlx::migrate::MigrateError> {
+    let table: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = '_sqlx_migrations'",
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    if table == 0 {
+        return Ok(0);
+    }
+    let applied: Vec<i64> =
+        sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
+            .fetch_all(&mut *conn)
+            .await?;
+    Ok(super::migrated_through(&MIGRATOR, &applied))
+}
+
 fn decode(row: Row) -> Result<StoredEvent> {
     let (position, session_id, seq, event_id, payload, recorded_at) = row;
     let corrupt = |what: &str| Error::Corrupt(format!("event at position {position}: {what}"));
@@ -335,22 +355,28 @@ impl SqliteBackend {
     /// command failed on a missing table ("no such table: chain_backfill"),
     /// or every later statement on "database is locked" after 10 s, where
     /// the cause was the disk (a review, 2026-12-07, on a full tmpfs).
-    pub(crate) async fn migrate(&self) -> Result<()> {
+    /// Applies what is pending; returns the migration the store was at
+    /// before (0: no store yet).
+    pub(crate) async fn migrate(&self) -> Result<i64> {
         let mut attempt = 0;
         loop {
             attempt += 1;
             let connect = &*self.connect;
             let mut conn =
                 open_busy(&self.path, || SqliteConnection::connect_with(connect)).await?;
+            let from = applied_version(&mut conn).await;
             // `run_direct`: what `run` calls once it has a connection (its
             // `Acquire` bound makes this future not `Send`, as postgres.rs
             // says; sqlx is pinned by Cargo.lock).
-            let run = MIGRATOR.run_direct(&mut conn).await;
+            let run = match from {
+                Ok(from) => MIGRATOR.run_direct(&mut conn).await.map(|()| from),
+                Err(e) => Err(e),
+            };
             // Closed, not returned anywhere: SQLite rolls back what it
             // held open.
             let _ = conn.close().await;
             match run {
-                Ok(()) => return Ok(()),
+                Ok(from) => return Ok(from),
                 Err(e) if attempt < 5 && migration_raced(&e) => {
                     tracing::debug!(cause = %e, attempt, "SQLite migration raced; retrying");
                     tokio::time::sleep(Duration::from_millis(50 * attempt)).await;
