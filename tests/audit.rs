@@ -1004,6 +1004,22 @@ fn postgres_the_type_index_migration_lets_others_read_while_it_waits() {
     assert_eq!(common::scalar(&url, gone), None);
 }
 
+/// What a cut-off concurrent build of 0009 leaves: the index, invalid
+/// (the test server's user is a superuser).
+fn leave_a_cut_off_sparse_type_index(url: &str) {
+    common::raw_sql(
+        url,
+        "CREATE INDEX events_sparse_types ON events (type, position) \
+         WHERE type IN ('session_started', 'catalog_defined', 'prompt_submitted', \
+         'compaction', 'mode_switched')",
+    );
+    common::raw_sql(
+        url,
+        "UPDATE pg_index SET indisvalid = false \
+         WHERE indexrelid = to_regclass('events_sparse_types')",
+    );
+}
+
 #[test]
 fn postgres_an_unfinished_sparse_type_index_is_built_again_without_stopping_reads() {
     // A build of 0009 cut off leaves an invalid index, which its IF NOT
@@ -1016,19 +1032,7 @@ fn postgres_an_unfinished_sparse_type_index_is_built_again_without_stopping_read
     let url = db.url.clone();
     let valid = "SELECT CAST(indisvalid AS TEXT) FROM pg_index \
                  WHERE indexrelid = to_regclass('events_sparse_types')";
-    common::raw_sql(
-        &url,
-        "CREATE INDEX events_sparse_types ON events (type, position) \
-         WHERE type IN ('session_started', 'catalog_defined', 'prompt_submitted', \
-         'compaction', 'mode_switched')",
-    );
-    // What a cut-off concurrent build leaves (the test server's user is a
-    // superuser).
-    common::raw_sql(
-        &url,
-        "UPDATE pg_index SET indisvalid = false \
-         WHERE indexrelid = to_regclass('events_sparse_types')",
-    );
+    leave_a_cut_off_sparse_type_index(&url);
     assert_eq!(common::scalar(&url, valid).as_deref(), Some("false"));
     open_while_a_reader_holds_events(
         &url,
@@ -1055,17 +1059,7 @@ fn postgres_a_rebuild_of_the_type_index_held_up_by_a_lock_says_which_migration()
         return;
     };
     let url = db.url.clone();
-    common::raw_sql(
-        &url,
-        "CREATE INDEX events_sparse_types ON events (type, position) \
-         WHERE type IN ('session_started', 'catalog_defined', 'prompt_submitted', \
-         'compaction', 'mode_switched')",
-    );
-    common::raw_sql(
-        &url,
-        "UPDATE pg_index SET indisvalid = false \
-         WHERE indexrelid = to_regclass('events_sparse_types')",
-    );
+    leave_a_cut_off_sparse_type_index(&url);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let holder = rt.block_on(async {
         let mut c = sqlx::PgConnection::connect(&url).await.unwrap();
