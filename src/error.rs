@@ -356,7 +356,19 @@ impl Error {
                 // disk), CANTOPEN 14. The storage's state, not the request:
                 // "try again" once it is fixed.
                 let code = sqlite_primary_code(&e).unwrap_or(0);
-                if [5, 6, 8, 10, 13, 14].contains(&code) {
+                let extended = db.code().and_then(|c| c.parse::<i64>().ok()).unwrap_or(0);
+                if code == 8 && extended == 8 {
+                    // Plain READONLY: the file or its filesystem may not be
+                    // written by this process (a moved file has its own
+                    // extended code). Said with what to check; SQLite's
+                    // words stay (the server tells the case by them).
+                    Error::Unavailable(format!(
+                        "{}: the store's SQLite file (or its -wal and -shm files, or their directory) \
+                         cannot be written by this process: check their owner and permissions, and \
+                         that the filesystem is not mounted read-only",
+                        db.message()
+                    ))
+                } else if [5, 6, 8, 10, 13, 14].contains(&code) {
                     Error::Unavailable(db.message().to_string())
                 } else {
                     Error::Database(db.message().to_string())

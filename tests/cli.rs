@@ -1851,6 +1851,54 @@ fn a_store_its_reader_cannot_write_is_refused_with_the_reason() {
         "{}",
         stderr(&out)
     );
+    let seq = stdout(&run(&url, &["recover", S, "--json"], None));
+    let seq = serde_json::from_str::<Value>(&seq).unwrap()["latest_seq"].to_string();
+    // Its directory and file its own, the file read-only: reads answer, and
+    // an append is refused saying what to check (it said only "attempt to
+    // write a readonly database").
+    let own = Command::new("chown")
+        .args(["-R", "65534:65534"])
+        .arg(dir.path())
+        .status()
+        .unwrap();
+    assert!(own.success());
+    std::fs::set_permissions(&url, std::fs::Permissions::from_mode(0o444)).unwrap();
+    let as_nobody = |args: &[&str]| {
+        let mut child = Command::new("setpriv")
+            .args([
+                "--reuid",
+                "65534",
+                "--regid",
+                "65534",
+                "--clear-groups",
+                BIN,
+            ])
+            .args(["--database", &url])
+            .args(args)
+            .env_remove("DATABASE_URL")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(br#"{"type":"prompt_submitted","text":"x"}"#)
+            .unwrap();
+        child.wait_with_output().unwrap()
+    };
+    let out = as_nobody(&["activations", S]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let out = as_nobody(&["append", S, "--expected-seq", &seq]);
+    assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
+    assert!(
+        stderr(&out)
+            .contains("cannot be written by this process: check their owner and permissions"),
+        "{}",
+        stderr(&out)
+    );
 }
 
 #[test]
@@ -2393,4 +2441,43 @@ fn a_long_context_prints_page_by_page_what_the_fold_prints() {
             }
         }
     }
+}
+
+/// A symbolic link that loops, or that leads to a directory that does not
+/// exist, is the path's fault (exit 1, said as such), not the storage
+/// failing (exit 4, "unable to open database file").
+#[test]
+fn symbolic_links_that_lead_nowhere_are_said_as_the_paths_fault() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b, dangling) = (
+        dir.path().join("a"),
+        dir.path().join("b"),
+        dir.path().join("dangling"),
+    );
+    std::os::unix::fs::symlink(&b, &a).unwrap();
+    std::os::unix::fs::symlink(&a, &b).unwrap();
+    std::os::unix::fs::symlink(dir.path().join("no-such-dir/s.db"), &dangling).unwrap();
+    let started = r#"{"type":"session_started","mode":"agent"}"#;
+    let a = a.display().to_string();
+    for args in [&["history", S][..], &["append", S, "--expected-seq", "0"]] {
+        let out = run(&a, args, Some(started));
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains("is a symbolic link that leads back to itself"),
+            "{}",
+            stderr(&out)
+        );
+    }
+    let dangling = dangling.display().to_string();
+    let out = run(
+        &dangling,
+        &["append", S, "--expected-seq", "0"],
+        Some(started),
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("no-such-dir does not exist"),
+        "{}",
+        stderr(&out)
+    );
 }

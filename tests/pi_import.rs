@@ -679,6 +679,9 @@ fn a_bad_file_fails_naming_line_and_field_and_changes_nothing() {
     // (file, line, text the message must contain)
     let cases = [
         ("malformed", 3, "malformed JSON"),
+        // A Latin-1 byte: the line's fault, named, as the JSON lines' import
+        // names it.
+        ("not-utf8", 3, "the line is not UTF-8 text (byte"),
         ("no-header", 1, "missing the pi session header"),
         ("dangling-parent", 4, "field `parentId`"),
         ("duplicate-id", 4, "field `id`"),
@@ -940,7 +943,7 @@ fn errors_are_said_in_file_order_whatever_the_passes() {
                 b"{\"type\":\"message\",\"id\":\"b\",\"parentId\":\"a\",\"message\":{\"role\":\"user\",\"content\":\"\xff\xfe\"}}\n".to_vec(),
             ]
             .concat(),
-            Some("cannot read line 4 of the input"),
+            Some("line 4: the line is not UTF-8 text (byte 79"),
         ),
         (
             "bom-alone-first",

@@ -15,6 +15,21 @@ const IMPORT_BATCH: usize = 500;
 /// an import of 100 MB to 880 MB of memory.
 const IMPORT_BATCH_BYTES: usize = 8 * 1024 * 1024;
 
+/// Line `line` of an input, not UTF-8 text: said with its first bad byte.
+fn not_utf8(line: usize, e: std::str::Utf8Error) -> CliError {
+    CliError::Line {
+        line,
+        error: ValidationError::new(
+            Rule::MalformedJson,
+            None,
+            format!(
+                "the line is not UTF-8 text (byte {} is not valid UTF-8)",
+                e.valid_up_to() + 1
+            ),
+        ),
+    }
+}
+
 /// Whether an event of `bytes` starts a new batch after `held` events of
 /// `held_bytes`: past `most` events or [`IMPORT_BATCH_BYTES`].
 fn batch_is_full(held: usize, held_bytes: usize, bytes: usize, most: usize) -> bool {
@@ -196,10 +211,10 @@ impl PiSpool {
                     ),
                 });
             }
-            if std::str::from_utf8(&line).is_err() {
-                return Err(CliError::Io(format!(
-                    "cannot read line {n} of the input: stream did not contain valid UTF-8"
-                )));
+            // Said as the JSON lines' import says it: the line's fault
+            // (exit 1), with the byte, not as input that could not be read.
+            if let Err(e) = std::str::from_utf8(&line) {
+                return Err(not_utf8(n, e));
             }
             out.write_all(&line).map_err(tmp_error)?;
         }
@@ -333,19 +348,7 @@ impl InputLines {
             }
             let text = match std::str::from_utf8(&self.buf) {
                 Ok(text) => text,
-                Err(e) => {
-                    return Err(CliError::Line {
-                        line,
-                        error: ValidationError::new(
-                            Rule::MalformedJson,
-                            None,
-                            format!(
-                                "the line is not UTF-8 text (byte {} is not valid UTF-8)",
-                                e.valid_up_to() + 1
-                            ),
-                        ),
-                    })
-                }
+                Err(e) => return Err(not_utf8(line, e)),
             };
             if !is_blank(text.as_bytes()) {
                 return Ok(Some((line, text.to_owned())));

@@ -2229,6 +2229,17 @@ mod tests {
                 "{memory}: {refused:?}"
             );
         }
+        // A file opened without its write-ahead log (immutable): refused
+        // saying so, not as an in-memory database.
+        let store_file = dir.path().join("wal.db").display().to_string();
+        crate::Store::open(&store_file).await.unwrap().close().await;
+        let refused = crate::Store::open(&format!("sqlite://{store_file}?immutable=1"))
+            .await
+            .map(|_| ());
+        assert!(
+            matches!(&refused, Err(Error::UrlRefused { why, .. }) if why.contains("write-ahead log")),
+            "{refused:?}"
+        );
         // A file name cannot hold NUL: a bad URL, not a storage failure to
         // retry.
         let nul = format!("{}/a\0b.db", dir.path().display());
@@ -2333,7 +2344,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let url = format!("sqlite://{}/nolock.db?vfs=unix-none", dir.path().display());
         let refused = crate::Store::open(&url).await.map(|_| ());
-        assert!(matches!(&refused, Err(Error::BadUrl(_))), "{refused:?}");
+        assert!(
+            matches!(&refused, Err(Error::UrlRefused { why, .. }) if why.contains("write-ahead log")),
+            "{refused:?}"
+        );
         let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
         assert!(left.is_empty(), "{left:?}");
     }

@@ -149,12 +149,30 @@ pub(super) async fn check_file(url: &str, create: bool) -> Result<Option<String>
     let meta = match std::fs::metadata(path) {
         Ok(meta) => meta,
         Err(e) if is_missing(&e) => {
+            // A symbolic link to nothing: what SQLite would make is its
+            // target, so the target's directory is the one to check.
+            let target =
+                std::fs::read_link(path)
+                    .ok()
+                    .map(|t| match std::path::Path::new(path).parent() {
+                        Some(dir) if t.is_relative() => dir.join(t),
+                        _ => t,
+                    });
+            let made = target.as_deref().and_then(|t| t.to_str()).unwrap_or(path);
             return match create {
-                true => check_parent(path).map(|()| Some(path.to_owned())),
+                true => check_parent(made).map(|()| Some(path.to_owned())),
                 false => Err(Error::NotAStore(format!(
                     "there is no session store at {path}: the file does not exist (import, append, migrate, serve and tail --follow create one)"
                 ))),
             };
+        }
+        // Symbolic links that lead back to themselves (ELOOP on Linux):
+        // the path's fault, not the storage's.
+        #[cfg(target_os = "linux")]
+        Err(e) if e.raw_os_error() == Some(40) => {
+            return Err(Error::NotAStore(format!(
+                "{path} is a symbolic link that leads back to itself ({e}), not a session store file"
+            )));
         }
         // Left to the connection, whose error names the cause.
         Err(_) => return Ok(None),
@@ -412,9 +430,20 @@ pub(super) async fn check_durable(conn: &mut SqliteConnection, url: &str) -> Res
             .fetch_optional(&mut *conn)
             .await
             .map_err(Error::from_sqlx)?;
-    match mode.eq_ignore_ascii_case("wal") && file.is_some_and(|f| !f.is_empty()) {
-        true => Ok(()),
-        false => Err(Error::BadUrl(url.to_owned())),
+    match (mode.eq_ignore_ascii_case("wal"), file.is_some_and(|f| !f.is_empty())) {
+        (true, true) => Ok(()),
+        // A file, but not in WAL mode: an option of the URL (immutable,
+        // a VFS without shared memory) kept SQLite from it. Said as that,
+        // not as a URL of no backend (a review's finding).
+        (false, true) => Err(Error::UrlRefused {
+            url: url.to_owned(),
+            why: format!(
+                "SQLite opened the file without its write-ahead log (journal mode {mode}), which the store \
+                 needs to keep appends durable while others read: leave out the immutable and vfs options"
+            ),
+        }),
+        // In memory, or a temporary database: no file to keep appends in.
+        (_, false) => Err(Error::BadUrl(url.to_owned())),
     }
 }
 
