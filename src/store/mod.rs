@@ -653,6 +653,8 @@ pub struct Store {
     /// all four of SQLite's, and another tenant's latest context waited
     /// 15 s for one and answered 503.
     long_reads: tokio::sync::Semaphore,
+    /// Turns of the audit queries ([`query::AUDIT_TURNS`]).
+    audit_turns: tokio::sync::Semaphore,
 }
 
 impl std::fmt::Debug for Store {
@@ -744,6 +746,7 @@ impl Store {
         .max(1) as usize;
         let store = Store {
             long_reads: tokio::sync::Semaphore::new(long_reads),
+            audit_turns: tokio::sync::Semaphore::new(query::AUDIT_TURNS),
             backend,
             states: StateCache::new(options.state_cache_bytes),
             rowless: StateCache::new(options.state_cache_bytes),

@@ -73,6 +73,11 @@ pub struct Scope {
     pub limit: i64,
 }
 
+/// How many audit queries a process runs at once (the others wait their turn):
+/// fewer than the pool's connections, so that the others stay for the
+/// pre-request reads and appends.
+pub const AUDIT_TURNS: usize = 2;
+
 /// Rows per page of an audit query that does not say.
 pub const DEFAULT_PAGE: i64 = 100;
 
@@ -560,6 +565,31 @@ impl Store {
         }
     }
 
+    /// An audit query's turn: at most [`AUDIT_TURNS`] run at once in a
+    /// process, the others wait (an audit read may take a connection for
+    /// seconds on a large store, and forty at once took every connection
+    /// of the pool: other tenants' reads and `/readyz` answered 503, a
+    /// review's finding). `None` for the turn's second part when the scope
+    /// can hold no row: a session another tenant owns is answered as an
+    /// empty page at once, without reading the log (whose rows the query
+    /// would pass over one by one, in a time that told the session's
+    /// length).
+    async fn audit_turn(&self, scope: &Scope) -> Result<(tokio::sync::SemaphorePermit<'_>, bool)> {
+        scope.check()?;
+        let turn = self
+            .audit_turns
+            .acquire()
+            .await
+            .map_err(|_| Error::Unavailable("the store is closed".to_owned()))?;
+        let holds = match (&scope.tenant, scope.session) {
+            (Some(tenant), Some(session)) => {
+                self.session_owner(session).await?.as_deref() == Some(tenant.as_str())
+            }
+            _ => true,
+        };
+        Ok((turn, holds))
+    }
+
     /// One page of events across sessions (`audit events`).
     pub async fn audit_events(&self, q: &EventQuery) -> Result<EventPage> {
         q.scope.check()?;
@@ -596,6 +626,13 @@ impl Store {
                     ),
                 ));
             }
+        }
+        let (_turn, holds) = self.audit_turn(&q.scope).await?;
+        if !holds {
+            return Ok(EventPage {
+                events: Vec::new(),
+                next_after_position: None,
+            });
         }
         let (events, more) = page_of(
             self.fetch_events(|p| events_sql(p, q), |p| events_sql(p, q), PAGE_BYTES)
@@ -648,6 +685,13 @@ impl Store {
                     })?,
             ),
         };
+        let (_turn, holds) = self.audit_turn(&q.scope).await?;
+        if !holds {
+            return Ok(ChangePage {
+                changes: Vec::new(),
+                next: None,
+            });
+        }
         let changes = match &self.backend {
             Backend::Sqlite(b) => b.fetch_changes(changes_sql("", q, after.clone())).await?,
             Backend::Postgres(b) => {
@@ -664,7 +708,13 @@ impl Store {
 
     /// One page of anomalies of one kind (`audit anomalies`).
     pub async fn audit_anomalies(&self, q: &AnomalyQuery) -> Result<AnomalyPage> {
-        q.scope.check()?;
+        let (_turn, holds) = self.audit_turn(&q.scope).await?;
+        if !holds {
+            return Ok(AnomalyPage {
+                anomalies: Vec::new(),
+                next: None,
+            });
+        }
         match q.kind {
             AnomalyKind::UnansweredCall => self.unanswered(q).await,
             AnomalyKind::UnknownEvidenceName => self.unknown_names(q).await,
@@ -965,6 +1015,57 @@ mod default_tests {
         let page = store.audit_events(&EventQuery::default()).await.unwrap();
         assert!(page.events.is_empty());
         store.close().await;
+    }
+
+    /// Audit queries take turns, [`AUDIT_TURNS`] at once, so that they
+    /// leave the pool's other connections to the reads and appends; and a
+    /// tenant's query narrowed to another tenant's session answers an
+    /// empty page without reading the log.
+    #[tokio::test]
+    async fn audit_queries_take_turns_and_another_tenants_session_holds_nothing() {
+        use crate::event::{EventBody, NewEvent};
+        let dir = tempfile::tempdir().unwrap();
+        let url = dir.path().join("s.db").display().to_string();
+        let store = std::sync::Arc::new(crate::Store::open(&url).await.unwrap());
+        let theirs = Uuid::new_v4();
+        let started = NewEvent::new(EventBody::SessionStarted {
+            mode: "agent".into(),
+            metadata: None,
+        });
+        store
+            .append_as(Some("globex"), theirs, 0, vec![started])
+            .await
+            .unwrap();
+        let held: Vec<_> = (0..AUDIT_TURNS)
+            .map(|_| store.audit_turns.try_acquire().unwrap())
+            .collect();
+        let waiting = {
+            let store = store.clone();
+            tokio::spawn(async move { store.audit_events(&EventQuery::default()).await })
+        };
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        assert!(!waiting.is_finished(), "a third audit query ran beside two");
+        drop(held);
+        let page = waiting.await.unwrap().unwrap();
+        assert_eq!(page.events.len(), 1);
+        let acme = EventQuery {
+            scope: Scope {
+                tenant: Some("acme".into()),
+                session: Some(theirs),
+                ..Scope::default()
+            },
+            ..EventQuery::default()
+        };
+        let page = store.audit_events(&acme).await.unwrap();
+        assert!(page.events.is_empty() && page.next_after_position.is_none());
+        let globex = EventQuery {
+            scope: Scope {
+                tenant: Some("globex".into()),
+                ..acme.scope.clone()
+            },
+            ..EventQuery::default()
+        };
+        assert_eq!(store.audit_events(&globex).await.unwrap().events.len(), 1);
     }
 
     /// The term a query by a sparse type adds is the partial index's
