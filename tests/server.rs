@@ -1508,10 +1508,10 @@ async fn stalled_clients_cannot_hold_connections_and_the_cap_queues_the_rest() {
     );
     let (addr, stop, serving) = serve_until_stopped(server).await;
     let connect = || tokio::net::TcpStream::connect(addr);
-    let request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n";
+    let request = b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n";
     let mut silent = connect().await.unwrap();
     let mut half = connect().await.unwrap();
-    half.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+    half.write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n")
         .await
         .unwrap();
     let mut kept = connect().await.unwrap();
@@ -1523,7 +1523,7 @@ async fn stalled_clients_cannot_hold_connections_and_the_cap_queues_the_rest() {
     let started = std::time::Instant::now();
     let mut fourth = connect().await.unwrap();
     fourth
-        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
         .await
         .unwrap();
     let mut answer = Vec::new();
@@ -1585,7 +1585,8 @@ async fn answers_their_clients_do_not_read_are_held_within_the_response_memory()
     // Sends a GET of `path` (the answer ends with the connection).
     let ask = |path: String| async move {
         let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        let request =
+            format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
         conn.write_all(request.as_bytes()).await.unwrap();
         conn
     };
@@ -1615,7 +1616,7 @@ async fn answers_their_clients_do_not_read_are_held_within_the_response_memory()
     // A HEAD answer has no body to hold: not busy.
     let mut head = tokio::net::TcpStream::connect(addr).await.unwrap();
     let request = format!(
-        "HEAD /v1/sessions/{s}/events?limit=3 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        "HEAD /v1/sessions/{s}/events?limit=3 HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
     );
     head.write_all(request.as_bytes()).await.unwrap();
     let head = answer(head).await;
@@ -1663,7 +1664,7 @@ async fn append_and_shut(addr: std::net::SocketAddr, s: Uuid, extra: usize) -> S
     let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
     conn.write_all(
         format!(
-            "POST /v1/sessions/{s}/events HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            "POST /v1/sessions/{s}/events HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
             body.len() + extra
         )
         .as_bytes(),
@@ -1711,7 +1712,7 @@ async fn the_token_is_judged_before_the_body_and_a_body_in_tiny_pieces_is_read()
     let (addr, stop, serving) = serve_until_stopped(server).await;
     let head = |s: Uuid, auth: &str, len: usize| {
         format!(
-            "POST /v1/sessions/{s}/events HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\nContent-Length: {len}\r\n\r\n"
+            "POST /v1/sessions/{s}/events HTTP/1.1\r\nHost: localhost\r\n{auth}Content-Type: application/json\r\nContent-Length: {len}\r\n\r\n"
         )
     };
     for auth in ["", "Authorization: Bearer not-a-token-of-this-server\r\n"] {
@@ -1767,7 +1768,7 @@ async fn a_stream_whose_client_hangs_up_is_gone_within_a_keep_alive_period() {
     let (addr, stop, serving) = serve_until_stopped(server).await;
     let open_streams = || async move {
         let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
-        conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
             .await
             .unwrap();
         let mut text = String::new();
@@ -1781,7 +1782,7 @@ async fn a_stream_whose_client_hangs_up_is_gone_within_a_keep_alive_period() {
     for _ in 0..5 {
         let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
         conn.write_all(
-            format!("GET /v1/sessions/{s}/stream HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes(),
+            format!("GET /v1/sessions/{s}/stream HTTP/1.1\r\nHost: localhost\r\n\r\n").as_bytes(),
         )
         .await
         .unwrap();
@@ -2276,4 +2277,59 @@ async fn a_body_announced_over_the_limit_is_counted_as_its_413() {
         ),
         "{text}"
     );
+}
+
+/// A server without tokens answers only requests for a loopback address or
+/// `localhost`: a web page's own name resolved to 127.0.0.1 (DNS
+/// rebinding) must not read or write the sessions; with tokens, or told
+/// otherwise (`--insecure`), the name is not judged.
+#[tokio::test]
+async fn a_tokenless_server_answers_only_loopback_host_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store_in(&dir).await;
+    let get = |app: Router, host: Option<&'static str>| async move {
+        let mut request = Request::builder().uri("/v1/audit/events");
+        if let Some(host) = host {
+            request = request.header(header::HOST, host);
+        }
+        let response = app
+            .oneshot(request.body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        let status = response.status();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        (status, String::from_utf8_lossy(&body).into_owned())
+    };
+    let open = router(&store, ServerConfig::default());
+    for host in [
+        None,
+        Some("localhost"),
+        Some("LOCALHOST:8080"),
+        Some("127.0.0.1:8080"),
+        Some("127.1.2.3"),
+        Some("[::1]:8080"),
+    ] {
+        let (status, body) = get(open.clone(), host).await;
+        assert_eq!(status, StatusCode::OK, "{host:?}: {body}");
+    }
+    for host in [
+        "rebind.attacker.example",
+        "rebind.attacker.example:8080",
+        "127.0.0.1.nip.io",
+        "10.0.0.1:8080",
+        "[::2]:80",
+    ] {
+        let (status, body) = get(open.clone(), Some(host)).await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{host}: {body}");
+        assert!(body.contains("loopback address or localhost"), "{body}");
+    }
+    let behind_a_proxy = router(
+        &store,
+        ServerConfig {
+            loopback_hosts_only: false,
+            ..ServerConfig::default()
+        },
+    );
+    let (status, body) = get(behind_a_proxy, Some("sessions.example.com")).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
 }

@@ -975,6 +975,7 @@ async fn serve(
         )));
     }
     let config = ServerConfig {
+        loopback_hosts_only: tokens.is_none() && args.listen.ip().is_loopback() && !args.insecure,
         tokens,
         body_limit: args.body_limit,
         max_batch_events: args.max_batch_events as usize,

@@ -97,6 +97,15 @@ pub struct ServerConfig {
     /// The accepted tokens; `None` serves everyone as the default tenant
     /// with every scope (only sensible on loopback, see docs/api.md).
     pub tokens: Option<Tokens>,
+    /// Without tokens, on a loopback address: answer only requests whose
+    /// `Host` names a loopback address or `localhost`. A web page the
+    /// user visits can make the browser send requests to 127.0.0.1 under
+    /// a name of the page's own that resolves there (DNS rebinding); such
+    /// a request carries that name, and without tokens it would read and
+    /// write every session (a security review's finding). `serve` sets it
+    /// unless `--insecure` says something in front (which may pass a
+    /// public `Host` on) authenticates.
+    pub loopback_hosts_only: bool,
     /// The largest request body, in bytes.
     pub body_limit: usize,
     /// The most events one append may carry ([`DEFAULT_MAX_BATCH_EVENTS`]).
@@ -127,6 +136,7 @@ impl Default for ServerConfig {
     fn default() -> ServerConfig {
         ServerConfig {
             tokens: None,
+            loopback_hosts_only: true,
             body_limit: DEFAULT_BODY_LIMIT,
             max_batch_events: DEFAULT_MAX_BATCH_EVENTS,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
@@ -525,11 +535,41 @@ async fn method_not_allowed() -> ApiError {
     )
 }
 
+/// Whether the request's `Host` is `localhost` or a loopback address
+/// (with any port). A request without one (HTTP/1.0) is a program's, not a
+/// browser's, which always sends it.
+fn loopback_host(headers: &HeaderMap) -> bool {
+    let Some(host) = headers.get(axum::http::header::HOST) else {
+        return true;
+    };
+    let Ok(host) = host.to_str() else {
+        return false;
+    };
+    let name = match host.strip_prefix('[') {
+        // [::1]:8080
+        Some(rest) => rest.split(']').next().unwrap_or(""),
+        None => host.rsplit_once(':').map_or(host, |(name, _)| name),
+    };
+    name.eq_ignore_ascii_case("localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
 impl Server {
     /// Who is calling: the token's principal, or the open principal when
     /// the server has no tokens.
     fn principal(&self, headers: &HeaderMap) -> Result<Principal, ApiError> {
         match &self.inner.config.tokens {
+            None if self.inner.config.loopback_hosts_only && !loopback_host(headers) => {
+                Err(ApiError::new(
+                    StatusCode::FORBIDDEN,
+                    "forbidden",
+                    "a server without tokens answers only requests for a loopback address or \
+                     localhost (the Host header): another name could be a web page's, resolved \
+                     to this machine; give the server --tokens to serve other names",
+                ))
+            }
             None => Ok(Principal::open()),
             Some(tokens) => tokens.authenticate(headers),
         }
