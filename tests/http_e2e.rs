@@ -347,6 +347,28 @@ fn serve_refuses_a_public_address_without_tokens() {
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("at least 16 characters"), "{err}");
+    // A token file every user may read is said; one of its owner's alone
+    // is not.
+    use std::os::unix::fs::PermissionsExt;
+    for (mode, warned) in [(0o644, true), (0o600, false)] {
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(mode)).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_session-store"))
+            .arg("--database")
+            .arg(&db)
+            .args(["serve", "--listen", "127.0.0.1:0", "--tokens"])
+            .arg(&file)
+            .env_remove("SESSION_STORE_TOKENS")
+            .env_remove("SESSION_STORE_TOKENS_FILE")
+            .env_remove("RUST_LOG")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            err.contains("the token file can be read by every user of this machine"),
+            warned,
+            "{mode:o}: {err}"
+        );
+    }
 }
 
 /// `serve` of the SQLite store `db` with `args` and no tokens (killed when

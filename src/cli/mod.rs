@@ -931,6 +931,20 @@ fn load_tokens(file: Option<&PathBuf>) -> Result<Option<crate::server::Tokens>, 
                 path.display()
             ))
         })?;
+        // Bearer tokens any user of the machine can read: said (not
+        // refused: a container's secret mount may be so, by design).
+        #[cfg(unix)]
+        if let Ok(meta) = std::fs::metadata(path) {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = meta.permissions().mode();
+            if mode & 0o004 != 0 {
+                warn!(
+                    file = %path.display(),
+                    mode = format!("{:o}", mode & 0o777),
+                    "the token file can be read by every user of this machine; `chmod 600` it"
+                );
+            }
+        }
         // A byte order mark some editors put first is not the document.
         let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
         return Tokens::parse(text, &format!("the token file {}", path.display()))
