@@ -721,7 +721,7 @@ pub fn parse_line(
         return Err(ValidationError::new(
             Rule::MalformedJson,
             None,
-            "the line starts with a byte order mark (U+FEFF), which only an input's first line may carry (were files joined?)",
+            "the line starts with a byte order mark (U+FEFF): one is skipped before an input's first line, and no other (were files joined?)",
         ));
     }
     let malformed =
