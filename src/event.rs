@@ -287,6 +287,21 @@ impl EventBody {
         )
     }
 
+    /// Whether the event leaves the activation set as it was: §7 computes
+    /// it from the mode, the mode's catalog and the successful results in
+    /// the effective context, which a prompt, an assistant message or a
+    /// call does not change. Lets a fold take a refresh point's set from
+    /// the previous one instead of computing it again (debug builds check
+    /// that it is the same).
+    pub fn leaves_activations_alone(&self) -> bool {
+        matches!(
+            self,
+            EventBody::PromptSubmitted { .. }
+                | EventBody::AssistantMessage { .. }
+                | EventBody::ToolCall { .. }
+        )
+    }
+
     /// The names this event is evidence for (§7): empty unless it is a
     /// successful `tool_result`.
     pub fn evidence(&self) -> Vec<&str> {
