@@ -126,6 +126,8 @@ struct LogFold {
     /// computed again (a session of 3 200 prompts with 10^5 active names
     /// spent minutes there, past PostgreSQL's idle-in-transaction timeout).
     unmoved: bool,
+    /// The rows compactions keep from, looked up once each in a run.
+    kept: super::read::KeptSeqs,
 }
 
 impl LogFold {
@@ -146,6 +148,7 @@ impl LogFold {
             changes: Vec::new(),
             before: Vec::new(),
             unmoved: false,
+            kept: Default::default(),
         })
     }
 
@@ -179,7 +182,7 @@ impl LogFold {
                 }
                 _ => {}
             }
-            let kept = kept_seq(tx, &e).await?;
+            let kept = self.kept.of(tx, &e).await?;
             let refresh = e.body.is_refresh_point().then(|| ChangeAt::of(&e));
             self.unmoved &= e.body.leaves_activations_alone();
             self.state.apply_rowless(e, kept);
