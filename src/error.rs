@@ -345,7 +345,7 @@ impl Error {
             // the data's fault, not the storage's (`verify` says it as a
             // difference, exit 5), said without the driver's words.
             sqlx::Error::ColumnDecode { index, source } => Error::Corrupt(format!(
-                "a stored row cannot be read (its column {index}: {source}); it was written or changed around the store: `session-store verify --integrity` names the rows"
+                "a stored row cannot be read (its column {index}: {source}): `session-store verify --integrity` names rows changed around the store"
             )),
             sqlx::Error::Database(db)
                 if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() =>
@@ -357,7 +357,8 @@ impl Error {
                 // "try again" once it is fixed.
                 let code = sqlite_primary_code(&e).unwrap_or(0);
                 let extended = db.code().and_then(|c| c.parse::<i64>().ok()).unwrap_or(0);
-                if code == 8 && extended == 8 {
+                // READONLY, READONLY_CANTINIT (the -shm file), READONLY_DIRECTORY.
+                if code == 8 && [8, 1288, 1544].contains(&extended) {
                     // Plain READONLY: the file or its filesystem may not be
                     // written by this process (a moved file has its own
                     // extended code). Said with what to check; SQLite's

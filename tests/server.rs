@@ -2308,6 +2308,9 @@ async fn a_tokenless_server_answers_only_loopback_host_names() {
         Some("127.0.0.1:8080"),
         Some("127.1.2.3"),
         Some("[::1]:8080"),
+        Some("localhost.:8080"),
+        Some("127.0.0.1."),
+        Some("[::ffff:127.0.0.1]:8080"),
     ] {
         let (status, body) = get(open.clone(), host).await;
         assert_eq!(status, StatusCode::OK, "{host:?}: {body}");

@@ -36,7 +36,6 @@ fn batch_is_full(held: usize, held_bytes: usize, bytes: usize, most: usize) -> b
     held >= most || (held > 0 && held_bytes.saturating_add(bytes) > IMPORT_BATCH_BYTES)
 }
 
-/// `file`, or standard input without one, for reading lines.
 /// A SIGINT or SIGTERM that asks a running `import` to stop. The append
 /// in flight is let finish (it commits whole or not at all, and its
 /// answer says which), then the import stops before its next one and says
@@ -119,6 +118,7 @@ impl Interrupt {
     }
 }
 
+/// `file`, or standard input without one, for reading lines.
 pub(super) fn open_input(file: Option<&PathBuf>) -> Result<Box<dyn BufRead + Send>, CliError> {
     Ok(match file {
         // `-` is standard input, as for most tools that read files.
@@ -879,8 +879,10 @@ async fn import_pi_once(
     // only once the runs before it were written.
     let mut unlooked: Vec<Unlooked> = Vec::new();
     for p in tree.events(spool.lines()?) {
+        // Before the stored events are compared with the file's: nothing
+        // said of them, and nothing written.
         if let Some(signal) = interrupt.received() {
-            return Err(stop(signal, head, head));
+            return Err(stop(signal, 0, 0));
         }
         let p = p?;
         let seq = made + 1;

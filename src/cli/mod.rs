@@ -591,12 +591,12 @@ fn interrupted_said(
     let name = signal.name;
     let before = match replayed {
         0 => String::new(),
-        n => format!(" ({n} of them already were)"),
+        n => format!(", {n} of them already before"),
     };
     match pi_session {
         Some(id) if stored == 0 => format!(
-            "interrupted by {name} before anything of the file was stored in session {id}; \
-             run the import again"
+            "interrupted by {name} before this import stored anything in session {id}; \
+             the same import run again goes on"
         ),
         Some(id) => format!(
             "interrupted by {name}: {} of the file {} stored in session {id}{before}; \
@@ -820,11 +820,13 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
             let mut target = WriteTarget::open(&cli.database, options)
                 .await?
                 .for_tenant(tenant);
+            say_upgrade(target.schema_change(), migrating);
             let result = run_write(&mut target, cli.command, cli.max_event_bytes, input, out).await;
             (result, target)
         }
         None => {
             let store = Store::open_with(&cli.database, options).await?;
+            say_upgrade(Some(store.schema_change()), migrating);
             let result = run_on(&store, cli.command, out).await;
             (result, WriteTarget::owning(store))
         }
@@ -837,15 +839,6 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
     // After the storage was said unavailable, a connection may still be
     // inside a round trip the server will not answer: the answer is given,
     // so the close waits a moment, not a timeout again.
-    // Every command migrates the store it opens; an upgrade, which older
-    // builds cannot undo, is said (`migrate` says it as its answer).
-    if let (Some(crate::store::SchemaChange::Upgraded { from, to }), false) =
-        (target.schema_change(), migrating)
-    {
-        eprintln!(
-            "session-store: upgraded the store's schema from migration {from} to {to}; {UPGRADE_IS_ONE_WAY}"
-        );
-    }
     let unavailable = std::time::Duration::from_secs(1);
     let bound = match &result {
         Err(e) if e.exit_code() == 4 => unavailable,
@@ -853,6 +846,18 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
     };
     target.close(bound).await;
     result
+}
+
+/// Every command migrates the store it opens; an upgrade, which older
+/// builds cannot undo, is said as soon as the store is open (before a
+/// command that runs until stopped, such as `tail --follow`); `migrate`
+/// says it as its answer.
+fn say_upgrade(change: Option<crate::store::SchemaChange>, migrating: bool) {
+    if let (Some(crate::store::SchemaChange::Upgraded { from, to }), false) = (change, migrating) {
+        eprintln!(
+            "session-store: upgraded the store's schema from migration {from} to {to}; {UPGRADE_IS_ONE_WAY}"
+        );
+    }
 }
 
 /// What an upgrade's message adds: why it is worth saying.
@@ -1920,6 +1925,14 @@ fn confirmed_said(confirmed: usize) -> String {
 /// from it repairs them. (A log changed behind the store's back is said
 /// apart: no rebuild repairs that.)
 fn view_drift(difference: String) -> CliError {
+    // A row of the log itself that cannot be read (`event at position
+    // …`, an edit around the store): the views are not what is wrong.
+    if difference.starts_with("event at position") {
+        return CliError::Drift(format!(
+            "the log was changed behind the store's back: {difference}; no rebuild repairs a changed log \
+             (`session-store verify --integrity` names every changed row; restore the store from a backup)"
+        ));
+    }
     CliError::Drift(format!(
         "{difference}; `session-store rebuild` recomputes the views from the log"
     ))

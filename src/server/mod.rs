@@ -550,10 +550,15 @@ fn loopback_host(headers: &HeaderMap) -> bool {
         Some(rest) => rest.split(']').next().unwrap_or(""),
         None => host.rsplit_once(':').map_or(host, |(name, _)| name),
     };
+    // A fully qualified `localhost.` is the same name.
+    let name = name.strip_suffix('.').unwrap_or(name);
     name.eq_ignore_ascii_case("localhost")
-        || name
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
+        || name.parse::<std::net::IpAddr>().is_ok_and(|ip| match ip {
+            std::net::IpAddr::V6(v6) => v6
+                .to_ipv4_mapped()
+                .map_or(v6.is_loopback(), |v4| v4.is_loopback()),
+            ip => ip.is_loopback(),
+        })
 }
 
 impl Server {

@@ -165,7 +165,6 @@ impl From<Error> for Failed {
     }
 }
 
-/// The same failure for another append of the group.
 /// What a refused append of a group that did not commit is told: its
 /// refusal was judged against appends that are not stored (or not known
 /// to be), so it is not said; nothing of it was written (a refusal writes
@@ -181,6 +180,7 @@ fn unsettled(e: &Error) -> Error {
     ))
 }
 
+/// The same failure for another append of the group.
 fn again(e: &Error) -> Error {
     match e {
         Error::Unavailable(m) => Error::Unavailable(m.clone()),
