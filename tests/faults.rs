@@ -1817,3 +1817,56 @@ both_backends!(
         }
     }
 );
+
+/// A group whose commit fails tells the appends it refused to send again,
+/// as it tells the ones it accepted: the refusal was judged against an
+/// earlier member that is not stored, so a 409 naming its head would be
+/// false (here the head stays where it was, and the refused append, sent
+/// again, is stored).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_refusal_in_a_group_whose_commit_fails_is_told_to_send_again() {
+    let Some(db) = common::postgres_db() else {
+        return;
+    };
+    let options = StoreOptions {
+        fault_pause_before_commit: Some(Duration::from_millis(600)),
+        ..StoreOptions::default()
+    };
+    let store = Arc::new(Store::open_with(&db.url, options).await.unwrap());
+    let (s, blocker) = (Uuid::new_v4(), Uuid::new_v4());
+    store.append(s, 0, vec![started()]).await.unwrap();
+    let first = store.clone();
+    let holder = tokio::spawn(async move { first.append(blocker, 0, vec![started()]).await });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    // Both queue behind the held commit, so they share the next group: the
+    // first is accepted, the second refused against it.
+    let accepted = {
+        let store = store.clone();
+        tokio::spawn(async move { store.append(s, 1, vec![prompt("a")]).await })
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let refused = {
+        let store = store.clone();
+        tokio::spawn(async move { store.append(s, 1, vec![prompt("b")]).await })
+    };
+    holder.await.unwrap().unwrap();
+    // The group is in its pause before the commit: its connection is cut.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let admin = sqlx::PgPool::connect(&db.url).await.unwrap();
+    sqlx::query(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .execute(&admin)
+    .await
+    .unwrap();
+    assert!(accepted.await.unwrap().is_err(), "the group did not commit");
+    match refused.await.unwrap() {
+        Err(Error::Unavailable(m)) => assert!(m.contains("send it again"), "{m}"),
+        other => panic!("expected to be told to send it again: {other:?}"),
+    }
+    let reader = Store::open(&db.url).await.unwrap();
+    assert_eq!(reader.head_seq(s).await.unwrap(), 1);
+    let again = store.append(s, 1, vec![prompt("b")]).await.unwrap();
+    assert_eq!(again.events[0].seq, 2);
+}
