@@ -446,7 +446,13 @@ pub fn check_event(state: &SessionState, body: &EventBody) -> Result<(), Validat
                     _ => None,
                 })
                 .collect();
-            for row in &state.rows[start..] {
+            // Nothing summarized (the whole window kept): no result can
+            // be split from its call, and the window is not walked.
+            let kept = match summarized.is_empty() {
+                true => &state.rows[..0],
+                false => &state.rows[start..],
+            };
+            for row in kept {
                 if let EventBody::ToolResult { call_id, .. } = &row.body {
                     if let Some(call_seq) = summarized.get(call_id.as_str()) {
                         return Err(ValidationError::new(
