@@ -335,24 +335,8 @@ fn serve_refuses_a_public_address_without_tokens() {
         "\u{feff}{\"tokens\": [{\"token\": \"short\", \"tenant\": \"a\", \"scopes\": [\"read\"]}]}",
     )
     .unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_session-store"))
-        .arg("--database")
-        .arg(&db)
-        .args(["serve", "--listen", "127.0.0.1:0", "--tokens"])
-        .arg(&file)
-        .env_remove("SESSION_STORE_TOKENS")
-        .env_remove("SESSION_STORE_TOKENS_FILE")
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("at least 16 characters"), "{err}");
-    // A token file every user may read is said; one of its owner's alone
-    // is not.
-    use std::os::unix::fs::PermissionsExt;
-    for (mode, warned) in [(0o644, true), (0o600, false)] {
-        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(mode)).unwrap();
-        let out = Command::new(env!("CARGO_BIN_EXE_session-store"))
+    let serve_with_the_file = || {
+        Command::new(env!("CARGO_BIN_EXE_session-store"))
             .arg("--database")
             .arg(&db)
             .args(["serve", "--listen", "127.0.0.1:0", "--tokens"])
@@ -361,7 +345,18 @@ fn serve_refuses_a_public_address_without_tokens() {
             .env_remove("SESSION_STORE_TOKENS_FILE")
             .env_remove("RUST_LOG")
             .output()
-            .unwrap();
+            .unwrap()
+    };
+    let out = serve_with_the_file();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("at least 16 characters"), "{err}");
+    // A token file every user may read is said; one of its owner's alone
+    // is not.
+    use std::os::unix::fs::PermissionsExt;
+    for (mode, warned) in [(0o644, true), (0o600, false)] {
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(mode)).unwrap();
+        let out = serve_with_the_file();
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(
             err.contains("the token file can be read by every user of this machine"),

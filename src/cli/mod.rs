@@ -1450,11 +1450,7 @@ async fn run_on(store: &Store, command: Command, out: &mut dyn Write) -> Result<
             let sessions = match target_sessions(store, session.as_deref()).await {
                 // A row whose session cannot be told (an edit around the
                 // store) is a difference like the others (exit 5).
-                Err(CliError::Store(Error::Corrupt(why))) => {
-                    return Err(CliError::Drift(format!(
-                        "the log was changed behind the store's back: {why}"
-                    )))
-                }
+                Err(CliError::Store(Error::Corrupt(why))) => return Err(log_changed(why)),
                 other => other?,
             };
             // The chains first: an edit behind the store's back usually
@@ -1466,11 +1462,7 @@ async fn run_on(store: &Store, command: Command, out: &mut dyn Write) -> Result<
                         None => None,
                     };
                     match store.verify_integrity(only).await {
-                        Err(Error::Corrupt(why)) => {
-                            return Err(CliError::Drift(format!(
-                                "the log was changed behind the store's back: {why}"
-                            )))
-                        }
+                        Err(Error::Corrupt(why)) => return Err(log_changed(why)),
                         other => Some(other?),
                     }
                 }
@@ -1498,18 +1490,15 @@ async fn run_on(store: &Store, command: Command, out: &mut dyn Write) -> Result<
                 // an output that cannot be written into exit 1.
                 match print_json(out, &said) {
                     Err(CliError::OutputClosed) | Ok(()) => {}
-                    Err(e) if report.intact() && drift.is_none() => return Err(e),
                     Err(e) => {
-                        let first = report
-                            .breaks
-                            .first()
-                            .map(|b| b.message.clone())
-                            .or_else(|| report.log_problems.first().cloned())
-                            .or(drift)
-                            .unwrap_or_default();
-                        return Err(CliError::Drift(format!(
-                            "{first} (the report could not be written: {e})"
-                        )));
+                        return Err(
+                            match chains_broken(report).or_else(|| drift.map(view_drift)) {
+                                Some(CliError::Drift(verdict)) => CliError::Drift(format!(
+                                    "{verdict} (the report could not be written: {e})"
+                                )),
+                                _ => e,
+                            },
+                        )
                     }
                 }
                 if report.intact() {
@@ -1519,21 +1508,8 @@ async fn run_on(store: &Store, command: Command, out: &mut dyn Write) -> Result<
                     };
                 }
             }
-            if let Some(report) = &report {
-                if !report.intact() {
-                    let first = report
-                        .breaks
-                        .first()
-                        .map(|b| b.message.clone())
-                        .or_else(|| report.log_problems.first().cloned())
-                        .unwrap_or_default();
-                    let more = report.breaks.len() + report.log_problems.len() - 1;
-                    return Err(CliError::Drift(if more > 0 {
-                        format!("the log was changed behind the store's back: {first} (and {more} more)")
-                    } else {
-                        format!("the log was changed behind the store's back: {first}")
-                    }));
-                }
+            if let Some(broken) = report.as_ref().and_then(chains_broken) {
+                return Err(broken);
             }
             let bar = progress_bar(sessions.len());
             for s in &sessions {
@@ -1928,13 +1904,37 @@ fn view_drift(difference: String) -> CliError {
     // A row of the log itself that cannot be read (`event at position
     // …`, an edit around the store): the views are not what is wrong.
     if difference.starts_with("event at position") {
-        return CliError::Drift(format!(
-            "the log was changed behind the store's back: {difference}; no rebuild repairs a changed log \
+        return log_changed(format!(
+            "{difference}; no rebuild repairs a changed log \
              (`session-store verify --integrity` names every changed row; restore the store from a backup)"
         ));
     }
     CliError::Drift(format!(
         "{difference}; `session-store rebuild` recomputes the views from the log"
+    ))
+}
+
+/// `verify`'s verdict on a log changed behind the store's back: `why`
+/// names the first change.
+fn log_changed(why: impl std::fmt::Display) -> CliError {
+    CliError::Drift(format!(
+        "the log was changed behind the store's back: {why}"
+    ))
+}
+
+/// `verify --integrity`'s verdict when a chain is broken or a row of the
+/// log cannot be read: the first of them, and how many more.
+fn chains_broken(report: &crate::store::IntegrityReport) -> Option<CliError> {
+    let first = report
+        .breaks
+        .first()
+        .map(|b| b.message.clone())
+        .or_else(|| report.log_problems.first().cloned())?;
+    Some(log_changed(
+        match report.breaks.len() + report.log_problems.len() - 1 {
+            0 => first,
+            more => format!("{first} (and {more} more)"),
+        },
     ))
 }
 
