@@ -849,6 +849,29 @@ fn tail_prints_the_global_feed_and_follows_it() {
     }
 }
 
+/// `serve` listens before it opens the store: one that cannot listen (the
+/// port taken) exits saying so, without having created a store at a new
+/// path (nor, by the same order, upgraded an old one).
+#[test]
+fn serve_that_cannot_listen_leaves_the_store_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("new.db");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let out = run(
+        &path.display().to_string(),
+        &["serve", "--listen", &addr],
+        None,
+    );
+    assert_ne!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains(&format!("cannot listen on {addr}")),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!path.exists(), "a store was created at {}", path.display());
+}
+
 #[test]
 fn an_unknown_url_scheme_is_a_usage_error() {
     let out = run("mysql://127.0.0.1/db", &["activations", S], None);

@@ -2279,6 +2279,22 @@ async fn a_body_announced_over_the_limit_is_counted_as_its_413() {
     );
 }
 
+/// GETs `path` with `host` as the Host header (none when `None`): the
+/// status and the body as text.
+async fn get_at(app: Router, path: &str, host: Option<&str>) -> (StatusCode, String) {
+    let mut request = Request::builder().uri(path);
+    if let Some(host) = host {
+        request = request.header(header::HOST, host);
+    }
+    let response = app
+        .oneshot(request.body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    let status = response.status();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
 /// A server without tokens answers only requests for a loopback address or
 /// `localhost`: a web page's own name resolved to 127.0.0.1 (DNS
 /// rebinding) must not read or write the sessions; with tokens, or told
@@ -2287,19 +2303,7 @@ async fn a_body_announced_over_the_limit_is_counted_as_its_413() {
 async fn a_tokenless_server_answers_only_loopback_host_names() {
     let dir = tempfile::tempdir().unwrap();
     let store = store_in(&dir).await;
-    let get = |app: Router, host: Option<&'static str>| async move {
-        let mut request = Request::builder().uri("/v1/audit/events");
-        if let Some(host) = host {
-            request = request.header(header::HOST, host);
-        }
-        let response = app
-            .oneshot(request.body(Body::empty()).unwrap())
-            .await
-            .unwrap();
-        let status = response.status();
-        let body = response.into_body().collect().await.unwrap().to_bytes();
-        (status, String::from_utf8_lossy(&body).into_owned())
-    };
+    let get = |app: Router, host: Option<&'static str>| get_at(app, "/v1/audit/events", host);
     let open = router(&store, ServerConfig::default());
     for host in [
         None,
@@ -2325,6 +2329,14 @@ async fn a_tokenless_server_answers_only_loopback_host_names() {
         let (status, body) = get(open.clone(), Some(host)).await;
         assert_eq!(status, StatusCode::FORBIDDEN, "{host}: {body}");
         assert!(body.contains("loopback address or localhost"), "{body}");
+    }
+    // Not only the sessions' routes: a rebinding page must not read the
+    // counters, the readiness or the API document either.
+    for path in ["/metrics", "/healthz", "/readyz", "/openapi.json"] {
+        let (status, body) = get_at(open.clone(), path, Some("localhost:8080")).await;
+        assert_eq!(status, StatusCode::OK, "{path}: {body}");
+        let (status, body) = get_at(open.clone(), path, Some("rebind.attacker.example")).await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{path}: {body}");
     }
     let behind_a_proxy = router(
         &store,

@@ -1005,6 +1005,12 @@ async fn serve(
         response_memory: usize::try_from(args.response_memory).unwrap_or(usize::MAX),
     };
     options.state_cache_bytes = usize::try_from(args.state_cache_memory).unwrap_or(usize::MAX);
+    // Bound before the store is opened: a server that cannot listen (the
+    // port taken, a typo) exits without having created or upgraded the
+    // store. Connections that arrive while it opens wait in the backlog.
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| CliError::Io(format!("cannot listen on {}: {e}", args.listen)))?;
     let store = std::sync::Arc::new(Store::open_with(database, options).await?);
     if let crate::store::SchemaChange::Upgraded { from, to } = store.schema_change() {
         warn!(
@@ -1012,9 +1018,6 @@ async fn serve(
             to, "upgraded the store's schema; {UPGRADE_IS_ONE_WAY}"
         );
     }
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .map_err(|e| CliError::Io(format!("cannot listen on {}: {e}", args.listen)))?;
     let addr = listener
         .local_addr()
         .map_err(|e| CliError::Io(format!("cannot read the listening address: {e}")))?;

@@ -240,6 +240,13 @@ impl Server {
             .route_layer(middleware::from_fn(move |req: Request, next: Next| {
                 refuse_announced_size(limit, req, next)
             }))
+            // Every route, the health, metrics and API document ones too
+            // (a rebinding page could read the counters), and counted as
+            // the 403 it answers.
+            .route_layer(middleware::from_fn_with_state(
+                self.clone(),
+                loopback_hosts_only,
+            ))
             .route_layer(middleware::from_fn_with_state(self.clone(), track))
             .fallback(not_found_route)
             .method_not_allowed_fallback(method_not_allowed)
@@ -504,6 +511,23 @@ impl hyper::body::Body for Budgeted {
 
 /// Answers 503 `timeout` when a request takes longer than the limit to
 /// produce its answer (a stream's body is not limited, only its start).
+/// [`ServerConfig::loopback_hosts_only`]: a server without tokens answers
+/// 403 to a request whose `Host` is not a loopback name, on every route.
+async fn loopback_hosts_only(State(server): State<Server>, req: Request, next: Next) -> Response {
+    let config = &server.inner.config;
+    if config.tokens.is_none() && config.loopback_hosts_only && !loopback_host(req.headers()) {
+        return ApiError::new(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            "a server without tokens answers only requests for a loopback address or \
+             localhost (the Host header): another name could be a web page's, resolved \
+             to this machine; give the server --tokens to serve other names",
+        )
+        .into_response();
+    }
+    next.run(req).await
+}
+
 async fn with_timeout(limit: Duration, req: Request, next: Next) -> Response {
     match tokio::time::timeout(limit, next.run(req)).await {
         Ok(r) => r,
@@ -566,15 +590,8 @@ impl Server {
     /// the server has no tokens.
     fn principal(&self, headers: &HeaderMap) -> Result<Principal, ApiError> {
         match &self.inner.config.tokens {
-            None if self.inner.config.loopback_hosts_only && !loopback_host(headers) => {
-                Err(ApiError::new(
-                    StatusCode::FORBIDDEN,
-                    "forbidden",
-                    "a server without tokens answers only requests for a loopback address or \
-                     localhost (the Host header): another name could be a web page's, resolved \
-                     to this machine; give the server --tokens to serve other names",
-                ))
-            }
+            // Requests for other names were answered 403 before any
+            // handler ([`loopback_hosts_only`]).
             None => Ok(Principal::open()),
             Some(tokens) => tokens.authenticate(headers),
         }
