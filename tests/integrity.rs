@@ -119,6 +119,19 @@ fn cli_verify(url: &str) -> (i32, String) {
     )
 }
 
+/// The binary's exit code and its standard error.
+fn cli(url: &str, args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_session-store"))
+        .args(["--database", url])
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 both_backends!(an_untouched_log_verifies, |url: String| async move {
     let (store, _, _) = setup(&url).await;
     store.close().await;
@@ -310,6 +323,13 @@ both_backends!(a_deleted_row_is_caught, |url: String| async move {
     .await;
     assert_eq!(first_break(&url, victim).await, (3, BreakKind::SeqGap));
     assert_eq!(cli_verify(&url).0, 5);
+    // The passes over the log say the hole, not fold or export past it.
+    let (code, text) = cli(&url, &["export", &victim.to_string()]);
+    assert_eq!(code, 4, "{text}");
+    assert!(text.contains("no event at seq 2"), "{text}");
+    let (code, text) = cli(&url, &["explain", &victim.to_string(), "web_fetch"]);
+    assert_eq!(code, 4, "{text}");
+    assert!(text.contains("no event at seq 2"), "{text}");
 });
 
 both_backends!(
@@ -636,18 +656,6 @@ both_backends!(
         assert_eq!(copy.head_seq(victim).await.unwrap(), 6);
     }
 );
-
-fn cli(url: &str, args: &[&str]) -> (i32, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_session-store"))
-        .args(["--database", url])
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
 
 /// Rows an edit around a SQLite store left unreadable (a payload that is
 /// not UTF-8, which SQLite does not check; a session id that is no UUID)

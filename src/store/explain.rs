@@ -197,6 +197,18 @@ impl EventPages {
             }
             false => Vec::new(),
         };
+        // The log's seqs are dense (§2): a seq missing between two pages,
+        // within one or before the target is a row removed or moved by an
+        // edit around the store. Said, not passed over: an export would
+        // otherwise write a log with a hole, and explain fold past it.
+        if let Some(missing) = first_gap(self.after, self.target, &page) {
+            self.done = true;
+            return Err(Error::Corrupt(format!(
+                "session {}: the log has no event at seq {missing} though its head is seq {}: its row \
+                 was removed or moved by an edit around the store; `verify --integrity` names what changed",
+                self.session_id, self.target
+            )));
+        }
         let Some(last) = page.last() else {
             self.done = true;
             return match self.prompt {
@@ -223,6 +235,19 @@ impl EventPages {
         }
         Ok(Some(page))
     }
+}
+
+/// The first seq missing from `page`, the events read after seq `after`
+/// of a pass up to `target`: a seq the page skips, or the next one when
+/// the page is empty before the target.
+fn first_gap(after: i64, target: i64, page: &[StoredEvent]) -> Option<i64> {
+    if page.is_empty() {
+        return (after < target).then_some(after + 1);
+    }
+    page.iter()
+        .zip(after + 1..)
+        .find(|(e, expected)| e.seq != *expected)
+        .map(|(_, expected)| expected)
 }
 
 /// The rows of a long context ([`Store::context_paged`]), a page at a
