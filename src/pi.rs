@@ -82,6 +82,10 @@ pub struct PiEvent {
     pub entry_id: Option<String>,
     /// The event, with its derived id and the entry's time.
     pub event: NewEvent,
+    /// The pi field a compaction's `first_kept_event_id` was made from:
+    /// `firstKeptEntryIndex` in a version 1 file, else `firstKeptEntryId`
+    /// (a refusal of it names the field the file has).
+    pub kept_field: &'static str,
 }
 
 /// A pi file as one session of this store.
@@ -375,6 +379,7 @@ impl PiTree {
         builder.events.push(PiEvent {
             line: self.header_line,
             entry_id: None,
+            kept_field: KEPT_BY_ID,
             event: NewEvent {
                 event_id: Some(uuid_v5(self.session_id, "session")),
                 recorded_at: self.header.timestamp,
@@ -610,6 +615,7 @@ impl Builder {
         self.events.push(PiEvent {
             line: entry.line,
             entry_id: Some(entry.id.clone()),
+            kept_field: KEPT_BY_ID,
             event: NewEvent {
                 event_id: Some(event_id),
                 recorded_at: entry.time,
@@ -1057,6 +1063,13 @@ impl Builder {
                 )
             })?),
         };
+        let by_index = matches!(
+            entry.fields.get("firstKeptEntryId"),
+            None | Some(Value::Null)
+        ) && !matches!(
+            entry.fields.get("firstKeptEntryIndex"),
+            None | Some(Value::Null)
+        );
         let kept_index = match entry.fields.get("firstKeptEntryId") {
             Some(Value::String(id)) => Some(*tree.by_id.get(id.as_str()).ok_or_else(|| {
                 PiError::new(
@@ -1106,11 +1119,15 @@ impl Builder {
             Some(i) => {
                 let kept_pos = tree.path_pos(i).filter(|p| *p < pos);
                 let Some(kept_pos) = kept_pos else {
+                    let field = match by_index {
+                        true => "firstKeptEntryIndex",
+                        false => KEPT_BY_ID,
+                    };
                     return Err(PiError::new(
                         line,
-                        Some("firstKeptEntryId"),
+                        Some(field),
                         format!(
-                            "`firstKeptEntryId` {:?} (line {}) is not on the session's path before this compaction",
+                            "`{field}` {:?} (line {}) is not on the session's path before this compaction",
                             tree.id_of(i),
                             tree.nodes[i as usize].line
                         ),
@@ -1136,9 +1153,17 @@ impl Builder {
                 tokens_before,
             },
         );
+        if by_index {
+            if let Some(made) = self.events.last_mut() {
+                made.kept_field = "firstKeptEntryIndex";
+            }
+        }
         Ok(())
     }
 }
+
+/// [`PiEvent::kept_field`] of every event but a version 1 compaction's.
+const KEPT_BY_ID: &str = "firstKeptEntryId";
 
 fn parse_object(line: usize, text: &str) -> Result<Map<String, Value>, PiError> {
     if text.starts_with('\u{feff}') {

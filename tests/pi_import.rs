@@ -690,6 +690,13 @@ fn a_bad_file_fails_naming_line_and_field_and_changes_nothing() {
         ("kept-unknown", 6, "field `firstKeptEntryId`"),
         // Caught by the store's own rule, reported in pi's terms.
         ("kept-result", 11, "compaction-splits-call-from-result"),
+        // A version 1 file names the kept entry by its number: the field
+        // said is the one the file has.
+        (
+            "kept-result-v1",
+            5,
+            "(rule compaction-splits-call-from-result) (field `firstKeptEntryIndex`)",
+        ),
     ];
     for (backend, db) in backends() {
         // On an empty store, a bad file leaves it empty;

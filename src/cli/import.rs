@@ -1046,7 +1046,10 @@ fn pi_refusal(e: Error, events: &[crate::pi::PiEvent]) -> CliError {
     };
     match v.index.take().and_then(|i| events.get(i)) {
         Some(at) => {
-            let field = v.field.as_deref().map(|f| pi_field(f, &at.event.body));
+            let field = v.field.as_deref().map(|f| match f {
+                "first_kept_event_id" => at.kept_field.to_owned(),
+                f => pi_field(f, &at.event.body),
+            });
             pi_error(&v, at.line, at.entry_id.as_deref(), field)
         }
         None => Error::Invalid(v).into(),

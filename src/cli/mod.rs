@@ -641,12 +641,11 @@ fn store_exit_code(e: &Error) -> i32 {
     }
 }
 
-/// `serve --body-limit`: a whole number of bytes, at least 1.
+/// `serve --body-limit`, `append`/`import --max-batch-bytes`: a whole
+/// number of bytes, at least 1 (clap names the flag).
 fn parse_body_limit(s: &str) -> std::result::Result<usize, String> {
     match s.parse::<usize>() {
-        Ok(0) => {
-            Err("a body limit of 0 bytes would refuse every append; give at least 1".to_owned())
-        }
+        Ok(0) => Err("a limit of 0 bytes would refuse every batch; give at least 1".to_owned()),
         Ok(n) => Ok(n),
         Err(_) => Err(format!("{s:?} is not a whole number of bytes")),
     }
@@ -2082,7 +2081,6 @@ fn io(e: std::io::Error) -> CliError {
 /// The pi field that a store field of `body` was made from.
 fn pi_field(store_field: &str, body: &EventBody) -> String {
     let pi = match (store_field, body) {
-        ("first_kept_event_id", _) => "firstKeptEntryId",
         ("tokens_before", _) => "tokensBefore",
         ("summary", _) => "summary",
         ("call_id", EventBody::ToolCall { .. }) => "message.content[].id",

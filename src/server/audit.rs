@@ -32,9 +32,11 @@ use crate::store::query::{
 #[into_params(parameter_in = Query)]
 pub struct ExplainQuery {
     /// Answer as of this seq instead of the latest.
+    #[param(minimum = 1)]
     at_seq: Option<i64>,
     /// Answer for the request of the K-th prompt (1-based); not with
     /// `at_seq`.
+    #[param(minimum = 1)]
     at_prompt: Option<i64>,
 }
 
@@ -333,7 +335,7 @@ impl AuditParams {
         ("since" = Option<DateTime<Utc>>, Query, description = "Only rows recorded at or after this time (RFC 3339)"),
         ("until" = Option<DateTime<Utc>>, Query, description = "Only rows recorded before this time (RFC 3339)"),
         ("after" = Option<String>, Query, description = "The cursor of the next page: the previous page's `next_after_position` (events) or `next` (changes, anomalies)"),
-        ("limit" = Option<i64>, Query, description = "Rows per page, 1 to 1000 (100 without it)"),
+        ("limit" = Option<i64>, Query, minimum = 1, maximum = 1000, description = "Rows per page, 1 to 1000 (100 without it)"),
     ),
     responses(
         (status = 200, body = EventPage),
@@ -408,7 +410,7 @@ pub(super) async fn audit_events(
         ("since" = Option<DateTime<Utc>>, Query, description = "Only rows recorded at or after this time (RFC 3339)"),
         ("until" = Option<DateTime<Utc>>, Query, description = "Only rows recorded before this time (RFC 3339)"),
         ("after" = Option<String>, Query, description = "The cursor of the next page: the previous page's `next_after_position` (events) or `next` (changes, anomalies)"),
-        ("limit" = Option<i64>, Query, description = "Rows per page, 1 to 1000 (100 without it)"),
+        ("limit" = Option<i64>, Query, minimum = 1, maximum = 1000, description = "Rows per page, 1 to 1000 (100 without it)"),
     ),
     responses(
         (status = 200, body = ChangePage),
@@ -465,7 +467,7 @@ pub(super) async fn audit_changes(
         ("since" = Option<DateTime<Utc>>, Query, description = "Only rows recorded at or after this time (RFC 3339)"),
         ("until" = Option<DateTime<Utc>>, Query, description = "Only rows recorded before this time (RFC 3339)"),
         ("after" = Option<String>, Query, description = "The cursor of the next page: the previous page's `next_after_position` (events) or `next` (changes, anomalies)"),
-        ("limit" = Option<i64>, Query, description = "Rows per page, 1 to 1000 (100 without it)"),
+        ("limit" = Option<i64>, Query, minimum = 1, maximum = 1000, description = "Rows per page, 1 to 1000 (100 without it)"),
     ),
     responses(
         (status = 200, body = AnomalyPage),

@@ -1322,8 +1322,10 @@ async fn append(
 #[into_params(parameter_in = Query)]
 pub struct HistoryQuery {
     /// Events with a greater seq (0, the beginning, by default).
+    #[param(minimum = 0)]
     after_seq: Option<i64>,
     /// At most this many (100 by default, at most 1000).
+    #[param(minimum = 1, maximum = 1000)]
     limit: Option<i64>,
 }
 
@@ -1400,6 +1402,7 @@ async fn history(
 #[into_params(parameter_in = Query)]
 pub struct AtSeqQuery {
     /// Answer as of this seq (1 to the latest) instead of the latest.
+    #[param(minimum = 1)]
     at_seq: Option<i64>,
 }
 
@@ -1550,6 +1553,7 @@ pub struct StreamQuery {
     /// Replay the events after this seq first (`Last-Event-ID` wins when
     /// both are given). Without either, the stream starts at the latest
     /// event with the current activation set.
+    #[param(minimum = 0)]
     after_seq: Option<i64>,
 }
 
