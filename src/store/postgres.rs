@@ -164,9 +164,8 @@ const SESSION_SETTINGS: [(&str, &str); 6] = [
     // the lock, which READ COMMITTED gives. A server or database whose
     // default is REPEATABLE READ or SERIALIZABLE would fail every write
     // that waited for the lock with a serialization error. Read snapshots
-    // ask for REPEATABLE READ themselves. (The startup options are split
-    // at spaces; a backslash keeps this one whole.)
-    ("default_transaction_isolation", "read\\ committed"),
+    // ask for REPEATABLE READ themselves.
+    ("default_transaction_isolation", "read committed"),
     ("statement_timeout", "30s"),
     ("lock_timeout", "10s"),
     ("idle_in_transaction_session_timeout", "30s"),
@@ -187,6 +186,39 @@ const SESSION_SETTINGS: [(&str, &str); 6] = [
     // compiled expressions to pay back their compilation.
     ("jit", "off"),
 ];
+
+/// [`SESSION_SETTINGS`] as the statements every new connection runs first
+/// ([`pool_options`]), not as startup options: a connection pooler
+/// (PgBouncer) refuses a startup `options` parameter, or, told to ignore
+/// it, drops it in silence, and the store then ran without its lock and
+/// statement timeouts (an append waiting 45 s on a stuck writer was stored
+/// after its client had been told it timed out) and under the database's
+/// default isolation (a pooler review's findings). `SET` holds for the
+/// session, which a pooler in session mode gives a client whole.
+static SETTINGS_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    SESSION_SETTINGS
+        .iter()
+        .map(|(name, value)| format!("SET {name} = '{value}';"))
+        .collect::<Vec<_>>()
+        .join(" ")
+});
+
+/// Runs [`SETTINGS_SQL`] on a connection just made (a pool's
+/// `after_connect`).
+fn apply_settings<'c>(
+    conn: &'c mut sqlx::PgConnection,
+    _: sqlx::pool::PoolConnectionMetadata,
+) -> std::pin::Pin<
+    Box<dyn std::future::Future<Output = std::result::Result<(), sqlx::Error>> + Send + 'c>,
+> {
+    // A `&str` without arguments goes as one simple query: its
+    // statements in one round trip.
+    Box::pin(async move {
+        sqlx::Executor::execute(conn, SETTINGS_SQL.as_str())
+            .await
+            .map(|_| ())
+    })
+}
 
 /// A concurrent index build of a migration (0009) that was cut off (a lock
 /// timeout, a cancel, a crash) leaves its index invalid, which the
@@ -460,6 +492,7 @@ pub(crate) fn pool_options() -> PgPoolOptions {
         .test_before_acquire(false)
         .idle_timeout(None)
         .max_lifetime(None)
+        .after_connect(apply_settings)
         .before_acquire(|conn, meta| {
             Box::pin(async move {
                 if opened_before_abandoned(meta.age) {
@@ -572,15 +605,17 @@ fn suspect(age: Duration) -> bool {
     }
 }
 
-/// The connection settings of the module docs.
+/// A URL's connection options, judged. The session settings are not among
+/// them: every pool runs them on each new connection ([`SETTINGS_SQL`]).
+/// Nor is `extra_float_digits`, which sqlx sends by default and a pooler
+/// refuses as a startup parameter it does not know: the store reads no
+/// floating-point column, and PostgreSQL 12 and later send the shortest
+/// exact text of one anyway.
 pub(crate) fn connect_options(url: &str) -> Result<PgConnectOptions> {
-    options_with(url, SESSION_SETTINGS.iter())
+    Ok(options_of(url)?.extra_float_digits(None))
 }
 
-fn options_with<'a>(
-    url: &str,
-    settings: impl Iterator<Item = &'a (&'a str, &'a str)>,
-) -> Result<PgConnectOptions> {
+fn options_of(url: &str) -> Result<PgConnectOptions> {
     let refused = |why: String| Error::UrlRefused {
         url: url.to_owned(),
         why,
@@ -630,7 +665,7 @@ fn options_with<'a>(
     })?;
     tls_settings(&parsed).map_err(refused)?;
     warn_of_ignored_environment();
-    Ok(options.options(settings.copied()))
+    Ok(options)
 }
 
 /// The TLS settings the driver would otherwise find wrong only when it
@@ -897,10 +932,14 @@ fn with_socket_host(url: &str) -> std::borrow::Cow<'_, str> {
 /// insert does (0.21 instead of 0.32 ms per single-row insert here).
 #[cfg(feature = "bench")]
 pub(crate) fn ceiling_connect_options(url: &str) -> Result<PgConnectOptions> {
+    // Startup options: the ceiling's connections are made once each,
+    // directly to the bench's own server (the startup options are split
+    // at spaces; a backslash keeps a value whole).
     let settings = SESSION_SETTINGS
         .iter()
-        .filter(|(name, _)| *name != "plan_cache_mode");
-    options_with(url, settings)
+        .filter(|(name, _)| *name != "plan_cache_mode")
+        .map(|(name, value)| (*name, value.replace(' ', "\\ ")));
+    Ok(options_of(url)?.options(settings))
 }
 
 impl PgBackend {
@@ -1446,6 +1485,7 @@ impl PgBackend {
             .acquire_timeout(Duration::from_secs(5))
             .idle_timeout(None)
             .max_lifetime(None)
+            .after_connect(apply_settings)
             // Named, so that an operator (and a test) tells it apart in
             // pg_stat_activity: its last query is a ping, not `LISTEN`.
             .connect_lazy_with(
