@@ -688,6 +688,99 @@ async fn postgres_a_cancelled_wait_for_the_counter_leaves_no_aborted_connection(
     assert_eq!(aborted, 0);
 }
 
+/// A caller that gives up on an append or a read while its `BEGIN` is in
+/// flight (a timeout around the library's future) must not leave that
+/// connection in the pool inside a transaction: appends acknowledged on it
+/// later were never committed (lost when it closed) and held the position
+/// counter's lock, every writer waiting behind it (a cancellation review's
+/// finding; sqlx queues no rollback for a `BEGIN` it has no answer to).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_caller_that_gives_up_during_begin_leaves_no_open_transaction() {
+    let Some(db) = common::postgres_db() else {
+        return;
+    };
+    let store = Store::open(&db.url).await.unwrap();
+    let monitor = sqlx::PgPool::connect(&db.url).await.unwrap();
+    let stuck = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+             AND pid <> pg_backend_pid() AND state LIKE 'idle in transaction%' \
+             AND now() - state_change > interval '10 ms'",
+        )
+        .fetch_one(&monitor)
+        .await
+        .unwrap()
+    };
+    // A session whose appends then take the one-call path (its state is
+    // cached): the call that ran inside a left-open transaction.
+    let warm = Uuid::new_v4();
+    store.append(warm, 0, vec![started()]).await.unwrap();
+    let past = Uuid::new_v4();
+    store
+        .append(past, 0, vec![started(), prompt("a"), prompt("b")])
+        .await
+        .unwrap();
+    // The span to give up within: up to the time a whole call takes here
+    // (a debug build's is several times a release build's).
+    let t = Instant::now();
+    store
+        .append(Uuid::new_v4(), 0, vec![started()])
+        .await
+        .unwrap();
+    store.activations(past, Some(2)).await.unwrap();
+    let span = (t.elapsed().as_micros() as u64).clamp(1500, 20_000);
+    let mut given_up = 0;
+    for round in 0..6u64 {
+        // New sessions (the locked path, which starts with `BEGIN`) and
+        // reads as of a past seq (a read-only transaction), given up after
+        // 0 to 1.5 ms.
+        for step in 0..60u64 {
+            let micros = span * step / 60 + round * 7;
+            let limit = Duration::from_micros(micros);
+            let gave_up = if step % 2 == 0 {
+                tokio::time::timeout(limit, store.append(Uuid::new_v4(), 0, vec![started()]))
+                    .await
+                    .is_err()
+            } else {
+                tokio::time::timeout(limit, store.activations(past, Some(2)))
+                    .await
+                    .is_err()
+            };
+            if gave_up {
+                given_up += 1;
+                // Looked for at once: the next `BEGIN` on a connection
+                // left so would end its transaction, hiding it.
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                assert_eq!(
+                    stuck().await,
+                    0,
+                    "given up after {micros} µs: a connection was left in a transaction"
+                );
+            }
+        }
+    }
+    assert!(given_up > 0, "no call was given up on");
+    // Every acknowledged append is stored, and none waits for a lock.
+    let mut acknowledged = Vec::new();
+    let mut head = 1;
+    for i in 0..20 {
+        let event = prompt(&format!("after {i}")).with_id(Uuid::now_v7());
+        let id = event.event_id.unwrap();
+        let started_at = Instant::now();
+        let done = store.append(warm, head, vec![event]).await.unwrap();
+        assert!(
+            started_at.elapsed() < Duration::from_secs(5),
+            "append {i} waited"
+        );
+        head = done.events[0].seq;
+        acknowledged.push(id);
+    }
+    store.close().await;
+    let again = Store::open(&db.url).await.unwrap();
+    assert_eq!(again.stored_events(&acknowledged).await.unwrap().len(), 20);
+    assert_eq!(again.head_seq(warm).await.unwrap(), 21);
+}
+
 /// With the server gone for good, an append that retries says so within
 /// about `max_unavailable` (and one more attempt's connection timeout),
 /// not after every attempt has waited out its own timeout (20 × 5 s).

@@ -19,8 +19,10 @@
 //! nobody else's append can be cancelled with it, and it saves the task
 //! switch and wake-up that a lone writer otherwise paid on every append.
 //! An append whose caller stopped waiting before its group started is
-//! dropped rather than tried, so an abandoned append is never stored long
-//! after its caller gave up.
+//! dropped rather than tried. One whose group had started may still be
+//! stored after its caller gave up: on PostgreSQL, a statement already at
+//! the server waits for the position counter up to the lock timeout (10 s)
+//! and then commits (`Store::append` says how to settle it).
 //!
 //! Each append of a group is judged exactly as alone: the idempotent-retry
 //! check, the expected seq and validation run against the log as the

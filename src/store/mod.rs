@@ -826,6 +826,13 @@ impl Store {
     /// same batch sent again then answers with the stored seqs (§2); a
     /// batch without ids would be appended a second time, or conflict.
     ///
+    /// A dropped future's outcome is settled only by sending the batch
+    /// again: on PostgreSQL its statement may already be at the server,
+    /// waiting for the position counter behind another writer, and commit
+    /// up to the lock timeout (10 s) after the drop, while reads meanwhile
+    /// do not find it. Sent again, it waits behind that statement and
+    /// answers with the stored seqs, or stores it once.
+    ///
     /// An empty batch stores nothing and answers no seqs once the expected
     /// seq holds. An event's `recorded_at`, when given, is kept as its time
     /// (how `import` restores an export); leave it `None` for the store's

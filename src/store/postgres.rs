@@ -383,21 +383,45 @@ async fn begin_within(
 ) -> Result<Transaction<'static, Postgres>> {
     let conn = trip(deadline, pool.acquire()).await?;
     let begin = Transaction::begin(conn, statement.map(std::borrow::Cow::Borrowed));
-    let Some(limit) = deadline else {
-        return trip(None, begin).await;
-    };
     tokio::pin!(begin);
-    tokio::select! {
-        biased;
-        begun = &mut begin => begun.map_err(|e| {
-            failed(&e);
-            Error::from_sqlx(e)
-        }),
-        () = tokio::time::sleep(limit) => {
-            // Marked before the `BEGIN`'s future (and its connection) is
-            // dropped, at this function's end: its release sees the mark.
+    // Declared after the `BEGIN`'s future, so dropped before it: a caller
+    // that gives up while the `BEGIN` is in flight (a timeout, a client
+    // gone) marks the abandonment before the connection's release looks
+    // for it. sqlx queues no `ROLLBACK` for a `BEGIN` not yet answered, so
+    // that connection went back to the pool inside a transaction: later
+    // appends on it were acknowledged and never committed (lost at its
+    // close), and held the position counter's lock, every writer waiting
+    // behind it (a cancellation review's finding).
+    let mut unanswered = Abandoned(true);
+    let begun = match deadline {
+        None => trip(None, begin.as_mut()).await,
+        Some(limit) => tokio::select! {
+            biased;
+            begun = begin.as_mut() => begun.map_err(|e| {
+                failed(&e);
+                Error::from_sqlx(e)
+            }),
+            () = tokio::time::sleep(limit) => {
+                // Marked before the `BEGIN`'s future (and its connection)
+                // is dropped, at this function's end: its release sees
+                // the mark.
+                begin_abandoned();
+                Err(no_answer(limit))
+            }
+        },
+    };
+    unanswered.0 = false;
+    begun
+}
+
+/// Calls [`begin_abandoned`] when dropped armed: a `BEGIN` whose answer
+/// its caller stopped waiting for ([`begin_within`]).
+struct Abandoned(bool);
+
+impl Drop for Abandoned {
+    fn drop(&mut self) {
+        if self.0 {
             begin_abandoned();
-            Err(no_answer(limit))
         }
     }
 }
@@ -509,8 +533,11 @@ pub(crate) fn pool_options() -> PgPoolOptions {
         .after_release(|_, meta| Box::pin(async move { Ok(!opened_before_abandoned(meta.age)) }))
 }
 
-/// When this process last gave up on a `BEGIN` at its deadline
-/// ([`begin_within`]), in milliseconds since [`EPOCH`] (0: never).
+/// When this process last gave up on a `BEGIN` (at its deadline, or its
+/// caller's: [`begin_within`]), in milliseconds since [`EPOCH`] (0:
+/// never). Every connection opened before then is closed at its next
+/// release or acquire: a few reconnections, where finding the one left
+/// inside a transaction would need sqlx's private transaction status.
 static ABANDONED_AT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Records that a `BEGIN` was given up on now, rounded up as
