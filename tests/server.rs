@@ -1279,6 +1279,13 @@ both_backends!(
         let body = json!({"expected_seq": 0, "events": [{"type": "session_started", "mode": "m", "event_id": event_id}]});
         let (s, v) = post(&app, &events_uri(id), None, &body).await;
         assert_error(s, &v, StatusCode::SERVICE_UNAVAILABLE, "timeout");
+        assert!(
+            v["message"]
+                .as_str()
+                .unwrap_or("")
+                .contains("may still commit"),
+            "{v}"
+        );
         // The append was not cut off: it commits, and the retry the message
         // suggests is answered as a replay.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);

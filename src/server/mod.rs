@@ -529,15 +529,24 @@ async fn loopback_hosts_only(State(server): State<Server>, req: Request, next: N
 }
 
 async fn with_timeout(limit: Duration, req: Request, next: Next) -> Response {
+    // Only an append changes anything: a read's answer says no more than
+    // that it took too long.
+    let append = req.method() == axum::http::Method::POST;
     match tokio::time::timeout(limit, next.run(req)).await {
         Ok(r) => r,
         Err(_) => ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "timeout",
-            format!(
-                "the request took longer than {} s; an append whose body had arrived may still commit: retry it with the same event ids",
-                limit.as_secs_f64()
-            ),
+            match append {
+                true => format!(
+                    "the request took longer than {} s; an append whose body had arrived may still commit: retry it with the same event ids",
+                    limit.as_secs_f64()
+                ),
+                false => format!(
+                    "the request took longer than {} s; nothing was changed: retry it",
+                    limit.as_secs_f64()
+                ),
+            },
         )
         .into_response(),
     }
