@@ -428,7 +428,7 @@ impl Raw {
                 Ok(Raw::Sqlite(tokio::sync::Mutex::new(conn)))
             }
             BackendKind::Postgres => {
-                let pool = crate::store::postgres::pool_options()
+                let pool = crate::store::postgres::ceiling_pool_options()
                     .connect_with(crate::store::postgres::ceiling_connect_options(url)?)
                     .await
                     .map_err(Error::from_sqlx)?;

@@ -511,12 +511,25 @@ const TRUSTED_IDLE: Duration = Duration::from_secs(1);
 /// a server that restarted failed that many requests in a row, one on each
 /// dead connection, where now the one that found the failure does.
 pub(crate) fn pool_options() -> PgPoolOptions {
+    pool_health().after_connect(apply_settings)
+}
+
+/// The bench's raw-insert ceiling's pool: the store's pool without its
+/// settings, which the ceiling sends as startup options of its own
+/// ([`ceiling_connect_options`], without `plan_cache_mode`).
+#[cfg(feature = "bench")]
+pub(crate) fn ceiling_pool_options() -> PgPoolOptions {
+    pool_health()
+}
+
+/// [`pool_options`] but the settings: the pool's size and its connections'
+/// health checks.
+fn pool_health() -> PgPoolOptions {
     PgPoolOptions::new()
         .max_connections(MAX_CONNECTIONS)
         .test_before_acquire(false)
         .idle_timeout(None)
         .max_lifetime(None)
-        .after_connect(apply_settings)
         .before_acquire(|conn, meta| {
             Box::pin(async move {
                 if opened_before_abandoned(meta.age) {
