@@ -10,7 +10,7 @@ mod common;
 use std::process::Command;
 
 use session_store::integrity::BreakKind;
-use session_store::{EventBody, NewEvent, Store, ToolStatus};
+use session_store::{Error, EventBody, NewEvent, Store, StoreOptions, ToolStatus};
 use uuid::Uuid;
 
 fn events() -> Vec<NewEvent> {
@@ -96,6 +96,19 @@ async fn setup(url: &str) -> (Store, Uuid, Uuid) {
     assert_eq!(report.events, 12);
     assert_eq!(report.heads.len(), 2);
     (store, victim, bystander)
+}
+
+/// Removes the row at `seq` of `session` behind the store's back.
+async fn delete_row(url: &str, session: Uuid, seq: i64) {
+    raw(
+        url,
+        &format!(
+            "{} DELETE FROM events WHERE session_id = {} AND seq = {seq};",
+            disable_triggers(url),
+            sid(url, session)
+        ),
+    )
+    .await;
 }
 
 async fn first_break(url: &str, session: Uuid) -> (i64, BreakKind) {
@@ -312,15 +325,7 @@ both_backends!(
 both_backends!(a_deleted_row_is_caught, |url: String| async move {
     let (store, victim, _) = setup(&url).await;
     store.close().await;
-    raw(
-        &url,
-        &format!(
-            "{} DELETE FROM events WHERE session_id = {} AND seq = 2;",
-            disable_triggers(&url),
-            sid(&url, victim)
-        ),
-    )
-    .await;
+    delete_row(&url, victim, 2).await;
     assert_eq!(first_break(&url, victim).await, (3, BreakKind::SeqGap));
     assert_eq!(cli_verify(&url).0, 5);
     // The passes over the log say the hole, not fold or export past it.
@@ -333,21 +338,49 @@ both_backends!(a_deleted_row_is_caught, |url: String| async move {
 });
 
 both_backends!(
+    a_hole_is_said_where_an_answer_reads_it,
+    |url: String| async move {
+        // Seq 4 of the victim (a tool call) removed behind the store's back.
+        let (store, victim, _) = setup(&url).await;
+        store.close().await;
+        delete_row(&url, victim, 4).await;
+        let id = victim.to_string();
+        // An answer as of the first prompt (seq 3) reads nothing past it.
+        let (code, text) = cli(&url, &["explain", &id, "web_fetch", "--at-prompt", "1"]);
+        assert_eq!(code, 0, "{text}");
+        let (code, text) = cli(&url, &["explain", &id, "web_fetch"]);
+        assert_eq!(code, 4, "{text}");
+        assert!(
+            text.contains("no event at seq 4 (the pass reads to seq 6)"),
+            "{text}"
+        );
+        // A long context's first page (every window is long here) is
+        // checked as its later pages are.
+        let store = Store::open_with(
+            &url,
+            StoreOptions {
+                rowless_window: 1,
+                ..StoreOptions::default()
+            },
+        )
+        .await
+        .unwrap();
+        let got = store.context_paged(victim, None).await.map(|_| ());
+        assert!(
+            matches!(&got, Err(Error::Corrupt(m)) if m.contains("no event at seq 4")),
+            "{got:?}"
+        );
+    }
+);
+
+both_backends!(
     a_deleted_last_row_is_caught_by_the_global_order,
     |url: String| async move {
         // The victim's last event is not the log's last: its removal leaves a
         // hole in the positions even though the victim's chain still checks.
         let (store, victim, _) = setup(&url).await;
         store.close().await;
-        raw(
-            &url,
-            &format!(
-                "{} DELETE FROM events WHERE session_id = {} AND seq = 6;",
-                disable_triggers(&url),
-                sid(&url, victim)
-            ),
-        )
-        .await;
+        delete_row(&url, victim, 6).await;
         let store = Store::open(&url).await.unwrap();
         let report = store.verify_integrity(None).await.unwrap();
         assert!(report.breaks.is_empty(), "{report:?}");

@@ -509,8 +509,6 @@ impl hyper::body::Body for Budgeted {
     }
 }
 
-/// Answers 503 `timeout` when a request takes longer than the limit to
-/// produce its answer (a stream's body is not limited, only its start).
 /// [`ServerConfig::loopback_hosts_only`]: a server without tokens answers
 /// 403 to a request whose `Host` is not a loopback name, on every route.
 async fn loopback_hosts_only(State(server): State<Server>, req: Request, next: Next) -> Response {
@@ -528,6 +526,8 @@ async fn loopback_hosts_only(State(server): State<Server>, req: Request, next: N
     next.run(req).await
 }
 
+/// Answers 503 `timeout` when a request takes longer than the limit to
+/// produce its answer (a stream's body is not limited, only its start).
 async fn with_timeout(limit: Duration, req: Request, next: Next) -> Response {
     // Only an append changes anything: a read's answer says no more than
     // that it took too long.

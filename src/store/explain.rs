@@ -115,6 +115,11 @@ impl Store {
                 self.options.window_read_bytes,
             )
             .await?;
+        // The first page is read by count, so a hole would also pull in
+        // rows past the answer's seq: checked as the later pages are.
+        if let Some(missing) = first_gap(state.window_start - 1, state.seq, &first) {
+            return Err(gap(session_id, missing, state.seq));
+        }
         let after = first.last().map_or(state.window_start - 1, |e| e.seq);
         let first = context_rows(first);
         if after >= state.seq && window <= self.options.rowless_window {
@@ -197,17 +202,28 @@ impl EventPages {
             }
             false => Vec::new(),
         };
+        // At::Prompt: cut at the K-th prompt first, so that a hole after
+        // it, outside the answer, is not the answer's.
+        let mut reached = false;
+        if let Some(k) = self.prompt {
+            let prompts = &mut self.prompts;
+            let at = page.iter().position(|e| {
+                let prompt = matches!(e.body, EventBody::PromptSubmitted { .. });
+                *prompts += i64::from(prompt);
+                prompt && *prompts == k
+            });
+            if let Some(i) = at {
+                page.truncate(i + 1);
+                reached = true;
+            }
+        }
         // The log's seqs are dense (§2): a seq missing between two pages,
         // within one or before the target is a row removed or moved by an
         // edit around the store. Said, not passed over: an export would
         // otherwise write a log with a hole, and explain fold past it.
         if let Some(missing) = first_gap(self.after, self.target, &page) {
             self.done = true;
-            return Err(Error::Corrupt(format!(
-                "session {}: the log has no event at seq {missing} though its head is seq {}: its row \
-                 was removed or moved by an edit around the store; `verify --integrity` names what changed",
-                self.session_id, self.target
-            )));
+            return Err(gap(self.session_id, missing, self.target));
         }
         let Some(last) = page.last() else {
             self.done = true;
@@ -221,20 +237,18 @@ impl EventPages {
             };
         };
         self.after = last.seq;
-        if let Some(k) = self.prompt {
-            let prompts = &mut self.prompts;
-            let reached = page.iter().position(|e| {
-                let prompt = matches!(e.body, EventBody::PromptSubmitted { .. });
-                *prompts += i64::from(prompt);
-                prompt && *prompts == k
-            });
-            if let Some(i) = reached {
-                page.truncate(i + 1);
-                self.done = true;
-            }
-        }
+        self.done = reached;
         Ok(Some(page))
     }
+}
+
+/// A pass up to seq `target` found no event at seq `missing`.
+fn gap(session_id: Uuid, missing: i64, target: i64) -> Error {
+    Error::Corrupt(format!(
+        "session {session_id}: the log has no event at seq {missing} (the pass reads to seq \
+         {target}): its row was removed or moved by an edit around the store; `verify \
+         --integrity` names what changed"
+    ))
 }
 
 /// The first seq missing from `page`, the events read after seq `after`

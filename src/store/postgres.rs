@@ -1006,12 +1006,15 @@ impl PgBackend {
                 // more attempt of our own says it (refused, unknown host,
                 // bad password…).
                 let at = format!("{}:{}", connect.get_host(), connect.get_port());
-                let cause = match tokio::time::timeout(
-                    Duration::from_secs(2),
-                    sqlx::postgres::PgConnection::connect_with(&connect),
-                )
-                .await
-                {
+                // With the settings the pool runs on each connection: one
+                // the server refuses (a version without it) fails every
+                // pooled connection, and is the cause to say.
+                let attempt = async {
+                    let mut conn = sqlx::postgres::PgConnection::connect_with(&connect).await?;
+                    sqlx::Executor::execute(&mut conn, SETTINGS_SQL.as_str()).await?;
+                    Ok::<_, sqlx::Error>(conn)
+                };
+                let cause = match tokio::time::timeout(Duration::from_secs(2), attempt).await {
                     Ok(Err(e)) => match Error::from_sqlx(e) {
                         Error::Unavailable(m) | Error::Database(m) => m,
                         other => other.to_string(),
