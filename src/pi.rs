@@ -1063,13 +1063,18 @@ impl Builder {
                 )
             })?),
         };
-        let by_index = matches!(
+        // The field the file names the kept entry by: a version 1 file's
+        // number, or the id.
+        let kept_field = match matches!(
             entry.fields.get("firstKeptEntryId"),
             None | Some(Value::Null)
         ) && !matches!(
             entry.fields.get("firstKeptEntryIndex"),
             None | Some(Value::Null)
-        );
+        ) {
+            true => "firstKeptEntryIndex",
+            false => KEPT_BY_ID,
+        };
         let kept_index = match entry.fields.get("firstKeptEntryId") {
             Some(Value::String(id)) => Some(*tree.by_id.get(id.as_str()).ok_or_else(|| {
                 PiError::new(
@@ -1119,15 +1124,11 @@ impl Builder {
             Some(i) => {
                 let kept_pos = tree.path_pos(i).filter(|p| *p < pos);
                 let Some(kept_pos) = kept_pos else {
-                    let field = match by_index {
-                        true => "firstKeptEntryIndex",
-                        false => KEPT_BY_ID,
-                    };
                     return Err(PiError::new(
                         line,
-                        Some(field),
+                        Some(kept_field),
                         format!(
-                            "`{field}` {:?} (line {}) is not on the session's path before this compaction",
+                            "`{kept_field}` {:?} (line {}) is not on the session's path before this compaction",
                             tree.id_of(i),
                             tree.nodes[i as usize].line
                         ),
@@ -1153,10 +1154,8 @@ impl Builder {
                 tokens_before,
             },
         );
-        if by_index {
-            if let Some(made) = self.events.last_mut() {
-                made.kept_field = "firstKeptEntryIndex";
-            }
+        if let Some(made) = self.events.last_mut() {
+            made.kept_field = kept_field;
         }
         Ok(())
     }

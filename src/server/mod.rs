@@ -537,16 +537,14 @@ async fn with_timeout(limit: Duration, req: Request, next: Next) -> Response {
         Err(_) => ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "timeout",
-            match append {
-                true => format!(
-                    "the request took longer than {} s; an append whose body had arrived may still commit: retry it with the same event ids",
-                    limit.as_secs_f64()
-                ),
-                false => format!(
-                    "the request took longer than {} s; nothing was changed: retry it",
-                    limit.as_secs_f64()
-                ),
-            },
+            format!(
+                "the request took longer than {} s; {}",
+                limit.as_secs_f64(),
+                match append {
+                    true => "an append whose body had arrived may still commit: retry it with the same event ids",
+                    false => "nothing was changed: retry it",
+                }
+            ),
         )
         .into_response(),
     }

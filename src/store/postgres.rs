@@ -549,8 +549,9 @@ fn pool_health() -> PgPoolOptions {
 /// When this process last gave up on a `BEGIN` (at its deadline, or its
 /// caller's: [`begin_within`]), in milliseconds since [`EPOCH`] (0:
 /// never). Every connection opened before then is closed at its next
-/// release or acquire: a few reconnections, where finding the one left
-/// inside a transaction would need sqlx's private transaction status.
+/// release or acquire, up to the whole pool reopened, since finding the
+/// one left inside a transaction would need sqlx's private transaction
+/// status (docs/design.md weighs it).
 static ABANDONED_AT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Records that a `BEGIN` was given up on now, rounded up as
